@@ -1,0 +1,153 @@
+"""Frozen configuration dataclasses shared by the CLI, the engine and the server."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+SpecMode = Literal["off", "fixed", "threshold", "dspark"]
+SPEC_MODES: tuple[str, ...] = ("off", "fixed", "threshold", "dspark")
+
+
+@dataclass(frozen=True)
+class RopeScaling:
+    """Llama-3 style frequency-dependent RoPE scaling (``rope_type: llama3``)."""
+
+    factor: float
+    low_freq_factor: float
+    high_freq_factor: float
+    original_max_position_embeddings: int
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """Architecture of a Qwen3 / Llama decoder, read from a Hugging Face ``config.json``."""
+
+    architecture: Literal["qwen3", "llama"]
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    rope_theta: float
+    max_position_embeddings: int
+    tie_word_embeddings: bool
+    attention_bias: bool = False
+    rope_scaling: RopeScaling | None = None
+    bos_token_id: int | None = None
+    eos_token_ids: tuple[int, ...] = ()
+
+    @property
+    def uses_qk_norm(self) -> bool:
+        return self.architecture == "qwen3"
+
+    @classmethod
+    def from_hf_dict(cls, raw: dict[str, Any]) -> ModelConfig:
+        archs = [a.lower() for a in raw.get("architectures") or []]
+        model_type = str(raw.get("model_type", "")).lower()
+        if model_type == "qwen3" or any(a.startswith("qwen3") for a in archs):
+            arch: Literal["qwen3", "llama"] = "qwen3"
+        elif model_type == "llama" or any(a.startswith("llama") for a in archs):
+            arch = "llama"
+        else:
+            raise ValueError(f"unsupported model (model_type={model_type!r}, architectures={archs}); "
+                             "only Qwen3 and Llama decoders are supported")
+        heads = int(raw["num_attention_heads"])
+        hidden = int(raw["hidden_size"])
+        # transformers >= 5 writes "rope_parameters"; older checkpoints "rope_theta" + "rope_scaling".
+        rope_params = raw.get("rope_parameters") or {}
+        rope_theta = raw.get("rope_theta", rope_params.get("rope_theta", 10000.0))
+        scaling = None
+        rs = raw.get("rope_scaling") or rope_params
+        rope_type = rs.get("rope_type", rs.get("type", "default")) if rs else "default"
+        if rope_type != "default":
+            if rope_type != "llama3":
+                raise ValueError(f"unsupported rope_scaling type {rope_type!r} (only 'llama3')")
+            scaling = RopeScaling(
+                factor=float(rs["factor"]),
+                low_freq_factor=float(rs["low_freq_factor"]),
+                high_freq_factor=float(rs["high_freq_factor"]),
+                original_max_position_embeddings=int(rs["original_max_position_embeddings"]),
+            )
+        eos = raw.get("eos_token_id")
+        eos_ids = tuple(eos) if isinstance(eos, list) else ((int(eos),) if eos is not None else ())
+        return cls(
+            architecture=arch,
+            vocab_size=int(raw["vocab_size"]),
+            hidden_size=hidden,
+            intermediate_size=int(raw["intermediate_size"]),
+            num_hidden_layers=int(raw["num_hidden_layers"]),
+            num_attention_heads=heads,
+            num_key_value_heads=int(raw.get("num_key_value_heads") or heads),
+            head_dim=int(raw.get("head_dim") or hidden // heads),
+            rms_norm_eps=float(raw.get("rms_norm_eps", 1e-6)),
+            rope_theta=float(rope_theta),
+            max_position_embeddings=int(raw.get("max_position_embeddings", 4096)),
+            tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
+            attention_bias=bool(raw.get("attention_bias", False)),
+            rope_scaling=scaling,
+            bos_token_id=raw.get("bos_token_id"),
+            eos_token_ids=eos_ids,
+        )
+
+    @classmethod
+    def from_dir(cls, model_dir: str | Path) -> ModelConfig:
+        path = Path(model_dir) / "config.json"
+        if not path.is_file():
+            raise FileNotFoundError(f"no config.json in model directory {model_dir}")
+        return cls.from_hf_dict(json.loads(path.read_text()))
+
+
+@dataclass(frozen=True)
+class SpeculativeConfig:
+    mode: SpecMode = "off"
+    gamma: int = 7
+    threshold: float = 0.5
+    profile_path: str | None = None
+    calibration_path: str | None = None
+    live_sps_refresh: bool = True
+
+    def __post_init__(self) -> None:
+        if self.mode not in SPEC_MODES:
+            raise ValueError(f"spec mode must be one of {SPEC_MODES}, got {self.mode!r}")
+        if not 1 <= self.gamma <= 32:
+            raise ValueError(f"gamma must be in 1..32, got {self.gamma}")
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """Capacity and scheduling limits of the native engine."""
+
+    model_dir: str
+    draft_dir: str | None = None
+    dtype: str = "float32"
+    page_size: int = 16
+    num_pages: int | None = None  # None: derived from max_running * max_model_len
+    max_model_len: int = 2048
+    max_running: int = 64
+    max_queued: int = 256
+    max_batch_tokens: int = 512  # token budget of one engine step (prefill chunks + decodes)
+    prefill_chunk: int = 256
+    num_threads: int | None = None
+    spec: SpeculativeConfig = field(default_factory=SpeculativeConfig)
+
+    def resolved_num_pages(self) -> int:
+        if self.num_pages is not None:
+            return self.num_pages
+        pages_per_request = -(-self.max_model_len // self.page_size) + 1
+        return max(pages_per_request, self.max_running * pages_per_request // 2)
+
+
+@dataclass(frozen=True)
+class ServerConfig:
+    host: str = "127.0.0.1"
+    port: int = 8000
+    api_key: str | None = None
+    served_model_name: str | None = None
+    max_body_bytes: int = 4 * 1024 * 1024
+    drain_timeout_s: float = 30.0
