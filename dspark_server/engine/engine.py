@@ -1,0 +1,181 @@
+"""The engine core: requests in, one batched step at a time, token deltas out.
+
+``LLMEngine`` is synchronous and single-threaded: ``step()`` is called by the engine thread
+(``engine/loop.py``) or directly by offline callers. Other threads only touch it through
+``add_request`` and ``abort``, which go through an inbox processed at the start of each step.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import queue
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+
+from dspark_server.config import EngineConfig
+from dspark_server.engine.batch import SeqChunk
+from dspark_server.engine.model_runner import ModelRunner
+from dspark_server.engine.outputs import OutputProcessor
+from dspark_server.engine.request import (
+    InvalidRequestError,
+    Request,
+    RequestOutput,
+    SamplingParams,
+    Status,
+)
+from dspark_server.engine.sampling import SamplingTensors, sample_from_logits
+from dspark_server.engine.scheduler import Scheduler, SchedulerOutput
+from dspark_server.engine.stats import EngineStats
+from dspark_server.models.tokenizer import Tokenizer
+
+log = logging.getLogger(__name__)
+
+
+class LLMEngine:
+    def __init__(self, cfg: EngineConfig, runner: ModelRunner | None = None,
+                 tokenizer: Tokenizer | None = None) -> None:
+        self.cfg = cfg
+        if cfg.num_threads:
+            torch.set_num_threads(cfg.num_threads)
+        self.runner = runner if runner is not None else ModelRunner(cfg)
+        self.tokenizer = tokenizer if tokenizer is not None else Tokenizer(cfg.model_dir)
+        self.eos_token_ids = _eos_ids(cfg.model_dir, self.runner.target.config.eos_token_ids,
+                                      self.tokenizer)
+        self.max_model_len = min(cfg.max_model_len, self.runner.target.config.max_position_embeddings)
+        self.scheduler = Scheduler(cfg, self.runner.allocator, decode_lookahead=0)
+        self.outputs = OutputProcessor(self.tokenizer, self.eos_token_ids)
+        self.stats = EngineStats(kv_total_pages=self.runner.allocator.capacity_pages)
+        self.requests: dict[str, Request] = {}
+        self._inbox: queue.SimpleQueue[tuple[str, object]] = queue.SimpleQueue()
+        self.on_step: Callable[[], None] | None = None  # wakes the engine thread
+
+    # ---- thread-safe entry points ------------------------------------------------------------
+
+    def validate(self, prompt_ids: list[int], params: SamplingParams) -> None:
+        if not prompt_ids:
+            raise InvalidRequestError("the prompt is empty", "prompt")
+        vocab = self.runner.target.config.vocab_size
+        if any(not 0 <= t < vocab for t in prompt_ids):
+            raise InvalidRequestError(f"prompt token ids must be in [0, {vocab})", "prompt")
+        total = len(prompt_ids) + params.max_tokens
+        if total > self.max_model_len:
+            raise InvalidRequestError(
+                f"This model's maximum context length is {self.max_model_len} tokens. However, you "
+                f"requested {total} tokens ({len(prompt_ids)} in the prompt, {params.max_tokens} for "
+                "the completion). Please reduce the length of the prompt or max_tokens.",
+                "max_tokens")
+
+    def add_request(self, request_id: str, prompt_ids: list[int], params: SamplingParams,
+                    sink: Callable[[RequestOutput], None]) -> None:
+        self.validate(prompt_ids, params)
+        self._inbox.put(("add", Request(request_id, list(prompt_ids), params, sink)))
+        if self.on_step:
+            self.on_step()
+
+    def abort(self, request_id: str) -> None:
+        self._inbox.put(("abort", request_id))
+        if self.on_step:
+            self.on_step()
+
+    # ---- engine thread -----------------------------------------------------------------------
+
+    def has_work(self) -> bool:
+        return self.scheduler.num_unfinished > 0 or not self._inbox.empty()
+
+    def process_inbox(self) -> None:
+        while True:
+            try:
+                kind, item = self._inbox.get_nowait()
+            except queue.Empty:
+                return
+            if kind == "add":
+                assert isinstance(item, Request)
+                if item.request_id in self.requests:
+                    item.sink(self.outputs.delta(item, True, error="duplicate request id"))
+                    continue
+                self.requests[item.request_id] = item
+                self.scheduler.add(item)
+            else:
+                req = self.requests.get(str(item))
+                if req is not None:
+                    req.finish_reason = "abort"
+                    self._finish(req)
+
+    def step(self) -> None:
+        self.process_inbox()
+        sched = self.scheduler.schedule()
+        if sched.empty:
+            self._update_gauges()
+            return
+        t0 = time.perf_counter()
+        try:
+            self._run(sched)
+        except Exception as exc:  # a bug must not kill the loop or leak KV: fail the batch
+            log.exception("engine step failed")
+            for req in sched.decodes + [c.request for c in sched.prefills]:
+                if not req.finished:
+                    req.finish_reason = "error"
+                    self._finish(req, error=f"internal engine error: {exc}")
+        self.stats.record_step(time.perf_counter() - t0)
+        self._update_gauges()
+
+    def _run(self, sched: SchedulerOutput) -> None:
+        now = time.monotonic()
+        chunks = [c for c in sched.prefills]
+        seq_chunks = [SeqChunk(r.table, r.num_computed, [r.all_ids[-1]]) for r in sched.decodes]
+        seq_chunks += [SeqChunk(c.request.table, c.request.num_computed, c.token_ids) for c in chunks]
+        sampling = sched.decodes + [c.request for c in chunks if c.completes]
+        tail = [1] * len(sched.decodes) + [1 if c.completes else 0 for c in chunks]
+        for req in sched.decodes + [c.request for c in chunks]:
+            if req.first_scheduled_time is None:
+                req.first_scheduled_time = now
+        result = self.runner.forward(seq_chunks, tail)
+        self.stats.record_batch(result.batch.num_tokens, result.seconds)
+        self.stats.prompt_tokens += sum(c.num_tokens for c in chunks)
+        if not sampling:
+            return
+        tokens = sample_from_logits(result.output.logits,
+                                    SamplingTensors.from_params([r.params for r in sampling]),
+                                    [r.generator for r in sampling])
+        for req, tok in zip(sampling, tokens.tolist(), strict=True):
+            self.commit(req, [tok])
+
+    def commit(self, req: Request, tokens: list[int]) -> int:
+        """Append tokens (stopping where a stop condition hits), stream the delta, finish if done."""
+        if req.first_token_time is None:
+            req.first_token_time = time.monotonic()
+            self.stats.record_first_token(req)
+        kept = self.outputs.append(req, tokens)
+        self.stats.generation_tokens += kept
+        if req.finish_reason is not None:
+            self._finish(req)
+        else:
+            req.sink(self.outputs.delta(req, False))
+        return kept
+
+    def _finish(self, req: Request, error: str | None = None) -> None:
+        self.scheduler.remove(req)
+        req.status = Status.FINISHED
+        self.requests.pop(req.request_id, None)
+        self.stats.record_finish(req)
+        req.sink(self.outputs.delta(req, True, error=error))
+
+    def _update_gauges(self) -> None:
+        self.stats.num_running = len(self.scheduler.running)
+        self.stats.num_waiting = len(self.scheduler.waiting)
+        self.stats.kv_free_pages = self.runner.allocator.free_pages
+
+
+def _eos_ids(model_dir: str, from_config: tuple[int, ...], tokenizer: Tokenizer) -> tuple[int, ...]:
+    ids = set(from_config)
+    gen_cfg = Path(model_dir) / "generation_config.json"
+    if gen_cfg.is_file():
+        eos = json.loads(gen_cfg.read_text()).get("eos_token_id")
+        ids.update(eos if isinstance(eos, list) else [eos] if eos is not None else [])
+    if tokenizer.eos_token and (tid := tokenizer.token_id(tokenizer.eos_token)) is not None:
+        ids.add(tid)
+    return tuple(sorted(ids))

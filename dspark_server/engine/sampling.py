@@ -1,0 +1,102 @@
+"""Temperature / top-k / top-p shaping and seeded sampling.
+
+The one place where sampling settings touch a distribution: the target's p and the drafter's q are
+both shaped here, so they cannot drift apart (lossless verification depends on it). Greedy rows
+(temperature 0) become one-hot distributions at the argmax, which makes rejection sampling reduce
+to "accept while the draft equals the target argmax".
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from dspark_server.engine.request import SamplingParams
+
+
+@dataclass(frozen=True)
+class SamplingTensors:
+    """Per-row sampling settings of a batch of rows."""
+
+    temperature: torch.Tensor  # [N] float, 0 = greedy
+    top_p: torch.Tensor  # [N] float in (0, 1]
+    top_k: torch.Tensor  # [N] long, <= 0 = disabled
+
+    @classmethod
+    def from_params(cls, params: Sequence[SamplingParams]) -> SamplingTensors:
+        return cls(
+            temperature=torch.tensor([p.temperature for p in params], dtype=torch.float32),
+            top_p=torch.tensor([p.top_p for p in params], dtype=torch.float32),
+            top_k=torch.tensor([p.top_k for p in params], dtype=torch.long),
+        )
+
+    def repeat_rows(self, counts: torch.Tensor) -> SamplingTensors:
+        """Row i repeated counts[i] times (one request's settings for several positions)."""
+        return SamplingTensors(
+            self.temperature.repeat_interleave(counts),
+            self.top_p.repeat_interleave(counts),
+            self.top_k.repeat_interleave(counts),
+        )
+
+    @property
+    def all_greedy(self) -> bool:
+        return bool((self.temperature == 0).all())
+
+
+def shape_probs(logits: torch.Tensor, s: SamplingTensors) -> torch.Tensor:
+    """Distributions [N, V] that sampling draws from, after temperature, top-k and top-p."""
+    logits = logits.float()
+    greedy = s.temperature == 0
+    out = torch.empty_like(logits)
+    if greedy.any():
+        g_logits = logits[greedy]
+        onehot = torch.zeros_like(g_logits)
+        onehot.scatter_(1, g_logits.argmax(dim=-1, keepdim=True), 1.0)
+        out[greedy] = onehot
+    rest = ~greedy
+    if rest.any():
+        scaled = logits[rest] / s.temperature[rest, None]
+        scaled = _mask_top_k(scaled, s.top_k[rest])
+        probs = torch.softmax(scaled, dim=-1)
+        out[rest] = _mask_top_p(probs, s.top_p[rest])
+    return out
+
+
+def _mask_top_k(logits: torch.Tensor, top_k: torch.Tensor) -> torch.Tensor:
+    k = torch.where(top_k > 0, top_k.clamp(max=logits.shape[-1]), logits.shape[-1])
+    if bool((k >= logits.shape[-1]).all()):
+        return logits
+    kth = logits.sort(dim=-1, descending=True).values.gather(1, (k - 1)[:, None])
+    return logits.masked_fill(logits < kth, float("-inf"))
+
+
+def _mask_top_p(probs: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
+    if bool((top_p >= 1.0).all()):
+        return probs
+    sorted_p, order = probs.sort(dim=-1, descending=True)
+    mass_before = sorted_p.cumsum(dim=-1) - sorted_p
+    drop_sorted = mass_before >= top_p[:, None]  # keeps the smallest prefix reaching top_p
+    drop = torch.zeros_like(drop_sorted).scatter(1, order, drop_sorted)
+    kept = probs.masked_fill(drop, 0.0)
+    return kept / kept.sum(dim=-1, keepdim=True)
+
+
+def sample(probs: torch.Tensor, generators: Sequence[torch.Generator]) -> torch.Tensor:
+    """One token per row, each row drawn with its own request's generator."""
+    out = torch.empty(probs.shape[0], dtype=torch.long)
+    for i, g in enumerate(generators):
+        out[i] = torch.multinomial(probs[i], 1, generator=g)
+    return out
+
+
+def sample_from_logits(logits: torch.Tensor, s: SamplingTensors,
+                       generators: Sequence[torch.Generator]) -> torch.Tensor:
+    if s.all_greedy:
+        return logits.argmax(dim=-1)
+    tokens = sample(shape_probs(logits, s), generators)
+    greedy = s.temperature == 0
+    if greedy.any():
+        tokens[greedy] = logits[greedy].argmax(dim=-1)
+    return tokens

@@ -1,0 +1,124 @@
+"""Admission, chunked prefill, the running set and preemption -> the work of the next step.
+
+Every request advances by feeding ``all_ids[num_computed : num_computed + n]``: a prefill chunk, a
+recompute after preemption, or (n = 1) a decode. When a chunk reaches the newest token, the
+forward's last logits row yields the next token. Decodes always run; prefill chunks fill the rest
+of the step's token budget, so a long prompt cannot stall the running requests.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass
+
+from dspark_server.config import EngineConfig
+from dspark_server.engine.kv_cache import PageAllocator
+from dspark_server.engine.request import Request, Status
+
+
+@dataclass(frozen=True)
+class ScheduledChunk:
+    request: Request
+    num_tokens: int
+
+    @property
+    def completes(self) -> bool:
+        """True when the chunk feeds the newest token, so its last row samples a new one."""
+        return self.request.num_computed + self.num_tokens == self.request.num_tokens
+
+    @property
+    def token_ids(self) -> list[int]:
+        start = self.request.num_computed
+        return self.request.all_ids[start: start + self.num_tokens]
+
+
+@dataclass(frozen=True)
+class SchedulerOutput:
+    decodes: list[Request]  # requests whose whole history is cached except the newest token
+    prefills: list[ScheduledChunk]
+    preempted: list[Request]
+
+    @property
+    def empty(self) -> bool:
+        return not self.decodes and not self.prefills
+
+
+class Scheduler:
+    def __init__(self, cfg: EngineConfig, allocator: PageAllocator, decode_lookahead: int = 0) -> None:
+        """``decode_lookahead``: extra cache positions a decode may write (γ for speculation)."""
+        self.cfg = cfg
+        self.allocator = allocator
+        self.decode_lookahead = decode_lookahead
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+
+    @property
+    def num_unfinished(self) -> int:
+        return len(self.waiting) + len(self.running)
+
+    def add(self, request: Request) -> None:
+        self.waiting.append(request)
+
+    def remove(self, request: Request) -> None:
+        """Take a request out of the queues and give its KV pages back."""
+        if request in self.running:
+            self.running.remove(request)
+        elif request in self.waiting:
+            self.waiting.remove(request)
+        self.allocator.release(request.table)
+
+    def schedule(self) -> SchedulerOutput:
+        preempted: list[Request] = []
+        decodes: list[Request] = []
+        budget = self.cfg.max_batch_tokens
+        for req in list(self.running):
+            if req not in self.running or not req.is_decoding:
+                continue
+            need = req.num_tokens + self.decode_lookahead
+            while not self.allocator.reserve(req.table, need):
+                victim = self.running[-1]
+                self._preempt(victim)
+                preempted.append(victim)
+                if victim is req:
+                    break
+            if req in self.running:
+                decodes.append(req)
+                budget -= 1 + self.decode_lookahead
+        prefills = self._schedule_prefills(max(budget, 1) if not decodes else budget)
+        return SchedulerOutput(decodes, prefills, preempted)
+
+    def _schedule_prefills(self, budget: int) -> list[ScheduledChunk]:
+        chunks: list[ScheduledChunk] = []
+        candidates = [r for r in self.running if not r.is_decoding]
+        for req in candidates:
+            if budget <= 0:
+                return chunks
+            chunk = self._chunk(req, budget)
+            if chunk is None:
+                break
+            chunks.append(chunk)
+            budget -= chunk.num_tokens
+        while budget > 0 and self.waiting and len(self.running) < self.cfg.max_running:
+            req = self.waiting[0]
+            chunk = self._chunk(req, budget)
+            if chunk is None:
+                break
+            self.waiting.popleft()
+            req.status = Status.RUNNING
+            self.running.append(req)
+            chunks.append(chunk)
+            budget -= chunk.num_tokens
+        return chunks
+
+    def _chunk(self, req: Request, budget: int) -> ScheduledChunk | None:
+        n = min(req.num_tokens - req.num_computed, budget, self.cfg.prefill_chunk)
+        if n <= 0 or not self.allocator.reserve(req.table, req.num_computed + n):
+            return None
+        return ScheduledChunk(req, n)
+
+    def _preempt(self, req: Request) -> None:
+        """Recompute-style preemption: drop the cache, keep the tokens, requeue at the front."""
+        self.running.remove(req)
+        self.allocator.release(req.table)
+        req.status = Status.WAITING
+        self.waiting.appendleft(req)
