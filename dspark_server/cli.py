@@ -40,7 +40,7 @@ def _engine_config(a: argparse.Namespace) -> EngineConfig:
     mode = a.spec_mode or ("dspark" if draft else "off")
     if mode != "off" and not draft:
         raise SystemExit(f"error: --spec-mode {mode} needs a drafter (--draft DIR)")
-    spec = SpeculativeConfig(mode=mode, gamma=a.gamma or 7, threshold=a.threshold,
+    spec = SpeculativeConfig(mode=mode, gamma=a.gamma, threshold=a.threshold,
                              profile_path=a.profile, calibration_path=a.calibration)
     return EngineConfig(model_dir=model, draft_dir=draft if mode != "off" else None, dtype=a.dtype,
                         page_size=a.page_size, num_pages=a.num_pages, max_model_len=a.max_model_len,

@@ -106,7 +106,7 @@ class ModelConfig:
 @dataclass(frozen=True)
 class SpeculativeConfig:
     mode: SpecMode = "off"
-    gamma: int = 7
+    gamma: int | None = None  # None: the drafter's block size
     threshold: float = 0.5
     profile_path: str | None = None
     calibration_path: str | None = None
@@ -115,7 +115,7 @@ class SpeculativeConfig:
     def __post_init__(self) -> None:
         if self.mode not in SPEC_MODES:
             raise ValueError(f"spec mode must be one of {SPEC_MODES}, got {self.mode!r}")
-        if not 1 <= self.gamma <= 32:
+        if self.gamma is not None and not 1 <= self.gamma <= 32:
             raise ValueError(f"gamma must be in 1..32, got {self.gamma}")
 
 

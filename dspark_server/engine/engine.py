@@ -46,7 +46,13 @@ class LLMEngine:
         self.eos_token_ids = _eos_ids(cfg.model_dir, self.runner.target.config.eos_token_ids,
                                       self.tokenizer)
         self.max_model_len = min(cfg.max_model_len, self.runner.target.config.max_position_embeddings)
-        self.scheduler = Scheduler(cfg, self.runner.allocator, decode_lookahead=0)
+        self.spec = None
+        if cfg.draft_dir and cfg.spec.mode != "off":
+            from dspark_server.engine.spec_setup import build_speculative
+
+            self.spec = build_speculative(cfg, self.runner)
+        lookahead = self.spec.gamma if self.spec is not None else 0
+        self.scheduler = Scheduler(cfg, self.runner.allocator, decode_lookahead=lookahead)
         self.outputs = OutputProcessor(self.tokenizer, self.eos_token_ids)
         self.stats = EngineStats(kv_total_pages=self.runner.allocator.capacity_pages)
         self.requests: dict[str, Request] = {}
@@ -125,17 +131,20 @@ class LLMEngine:
 
     def _run(self, sched: SchedulerOutput) -> None:
         now = time.monotonic()
-        chunks = [c for c in sched.prefills]
-        seq_chunks = [SeqChunk(r.table, r.num_computed, [r.all_ids[-1]]) for r in sched.decodes]
-        seq_chunks += [SeqChunk(c.request.table, c.request.num_computed, c.token_ids) for c in chunks]
-        sampling = sched.decodes + [c.request for c in chunks if c.completes]
-        tail = [1] * len(sched.decodes) + [1 if c.completes else 0 for c in chunks]
-        for req in sched.decodes + [c.request for c in chunks]:
+        for req in sched.decodes + [c.request for c in sched.prefills]:
             if req.first_scheduled_time is None:
                 req.first_scheduled_time = now
+        self.stats.prompt_tokens += sum(c.num_tokens for c in sched.prefills)
+        if self.spec is not None:
+            self.spec.step(self, sched.decodes, sched.prefills)
+            return
+        chunks = [c for c in sched.prefills]
+        seq_chunks = [SeqChunk(r.table, r.num_computed, [r.all_ids[-1]]) for r in sched.decodes]
+        seq_chunks += [SeqChunk(c.request.table, c.start, c.token_ids) for c in chunks]
+        sampling = sched.decodes + [c.request for c in chunks if c.completes]
+        tail = [1] * len(sched.decodes) + [1 if c.completes else 0 for c in chunks]
         result = self.runner.forward(seq_chunks, tail)
         self.stats.record_batch(result.batch.num_tokens, result.seconds)
-        self.stats.prompt_tokens += sum(c.num_tokens for c in chunks)
         if not sampling:
             return
         tokens = sample_from_logits(result.output.logits,

@@ -18,18 +18,21 @@ from dspark_server.engine.request import Request, Status
 
 @dataclass(frozen=True)
 class ScheduledChunk:
-    request: Request
-    num_tokens: int
+    """Feed ``all_ids[start : start + num_tokens]``; fixed when scheduled, valid after the forward."""
 
-    @property
-    def completes(self) -> bool:
-        """True when the chunk feeds the newest token, so its last row samples a new one."""
-        return self.request.num_computed + self.num_tokens == self.request.num_tokens
+    request: Request
+    start: int
+    num_tokens: int
+    completes: bool  # the chunk feeds the newest token, so its last row samples a new one
+
+    @classmethod
+    def next_for(cls, request: Request, num_tokens: int) -> ScheduledChunk:
+        start = request.num_computed
+        return cls(request, start, num_tokens, start + num_tokens == request.num_tokens)
 
     @property
     def token_ids(self) -> list[int]:
-        start = self.request.num_computed
-        return self.request.all_ids[start: start + self.num_tokens]
+        return self.request.all_ids[self.start: self.start + self.num_tokens]
 
 
 @dataclass(frozen=True)
@@ -114,7 +117,7 @@ class Scheduler:
         n = min(req.num_tokens - req.num_computed, budget, self.cfg.prefill_chunk)
         if n <= 0 or not self.allocator.reserve(req.table, req.num_computed + n):
             return None
-        return ScheduledChunk(req, n)
+        return ScheduledChunk.next_for(req, n)
 
     def _preempt(self, req: Request) -> None:
         """Recompute-style preemption: drop the cache, keep the tokens, requeue at the front."""

@@ -86,3 +86,27 @@ def build_tiny_model(out_dir: str | Path, seed: int = 0, hidden: int = 64, layer
         tok_cfg["eos_token"] = None
         (out / "tokenizer_config.json").write_text(json.dumps(tok_cfg, indent=2))
     return out
+
+
+def build_tiny_drafter(target_dir: str | Path, out_dir: str | Path, seed: int = 0, gamma: int = 4,
+                       head_type: str = "markov", markov_rank: int = 16, layers: int = 1,
+                       init_std: float = 0.2) -> Path:
+    """A random DSpark drafter for a target made by ``build_tiny_model`` (random drafts: many
+    rejections, which is what losslessness tests want)."""
+    from dspark_server.models.drafter import DSparkDrafter
+    from dspark_server.models.drafter_checkpoint import save_drafter
+    from dspark_server.models.drafter_config import DraftConfig
+    from dspark_server.models.loader import load_target
+
+    target = load_target(target_dir)
+    mask_id = HFTokenizer.from_file(str(Path(target_dir) / "tokenizer.json")).token_to_id("<|mask|>")
+    cfg = DraftConfig.from_target(target.config, mask_token_id=mask_id, num_layers=layers, gamma=gamma,
+                                  head_type=head_type, markov_rank=markov_rank,
+                                  target_layer_ids=tuple(range(min(2, target.config.num_hidden_layers))))
+    torch.manual_seed(seed)
+    drafter = DSparkDrafter(cfg, target)
+    with torch.no_grad():
+        for name, p in drafter.named_parameters():
+            if not name.endswith("norm.weight"):
+                p.normal_(0.0, init_std / (p.shape[-1] ** 0.5) * 4)
+    return save_drafter(drafter, out_dir)

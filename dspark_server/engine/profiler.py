@@ -1,0 +1,91 @@
+"""SPS profiling: target verification steps per second vs batch tokens, on this machine.
+
+A probe of B batch tokens runs verification-shaped forwards: ceil(B / (γ+1)) sequences, each
+adding up to γ+1 tokens on top of a cached context, the shape a speculative step has.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import platform
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+
+from dspark_server.engine.batch import SeqChunk
+from dspark_server.engine.kv_cache import PageTable
+from dspark_server.engine.model_runner import ModelRunner
+from dspark_server.planner import SpsCostTable, build_sps_table, probe_batch_sizes
+
+log = logging.getLogger(__name__)
+
+
+def profile_sps(runner: ModelRunner, max_batch_tokens: int, block: int = 8, context: int = 128,
+                repeats: int = 5, warmup: int = 2, time_budget_s: float | None = None,
+                progress: Callable[[int, int], None] | None = None) -> SpsCostTable:
+    """Median step time per probe -> ``SpsCostTable``. Stops adding probes past the time budget."""
+    probes = probe_batch_sizes(max_batch_tokens)
+    alloc = runner.allocator
+    vocab = runner.target.config.vocab_size
+    gen = torch.Generator().manual_seed(0)
+    samples: dict[int, list[float]] = {}
+    t_start = time.perf_counter()
+    for i, b in enumerate(probes):
+        sizes = [block] * (b // block) + ([b % block] if b % block else [])
+        tables = [PageTable() for _ in sizes]
+        try:
+            for t, n in zip(tables, sizes, strict=True):
+                if not alloc.reserve(t, context + n):
+                    raise RuntimeError("KV cache too small to profile this batch size")
+                t.length = context
+            chunks = [SeqChunk(t, context, torch.randint(0, vocab, (n,), generator=gen).tolist())
+                      for t, n in zip(tables, sizes, strict=True)]
+            times = []
+            for rep in range(warmup + repeats):
+                result = runner.forward(chunks, sizes)
+                for t in tables:
+                    t.length = context
+                if rep >= warmup:
+                    times.append(result.seconds)
+            samples[b] = times
+        except RuntimeError as exc:
+            log.warning("SPS profiling stopped at %d batch tokens: %s", b, exc)
+            break
+        finally:
+            for t in tables:
+                alloc.release(t)
+        if progress:
+            progress(i + 1, len(probes))
+        if time_budget_s is not None and time.perf_counter() - t_start > time_budget_s:
+            log.warning("SPS profiling hit its %.0f s budget at %d batch tokens", time_budget_s, b)
+            break
+    return build_sps_table(samples, max_batch_tokens=max(samples))
+
+
+def machine_description() -> dict[str, str | int]:
+    cpu = platform.processor() or platform.machine()
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    return {"cpu": cpu, "cores": os.cpu_count() or 1, "torch_threads": torch.get_num_threads(),
+            "torch": torch.__version__}
+
+
+def profile_key(model_dir: str, dtype: str) -> str:
+    """Identifies (model architecture, dtype, machine) so a cached table is reused only there."""
+    cfg = (Path(model_dir) / "config.json").read_text()
+    raw = json.dumps([cfg, dtype, machine_description()], sort_keys=True)
+    return hashlib.sha256(raw.encode()).hexdigest()[:16]
+
+
+def cache_dir() -> Path:
+    return Path(os.environ.get("DSPARK_CACHE", Path.home() / ".cache" / "dspark")) / "sps"

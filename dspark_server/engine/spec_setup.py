@@ -1,0 +1,83 @@
+"""Assembling the speculative decoder: drafter, context pool, planner, cost table, calibration."""
+
+from __future__ import annotations
+
+import json
+import logging
+from pathlib import Path
+
+from dspark_server.config import EngineConfig
+from dspark_server.engine.model_runner import ModelRunner
+from dspark_server.engine.profiler import cache_dir, machine_description, profile_key, profile_sps
+from dspark_server.engine.speculative import SpeculativeDecoder
+from dspark_server.models.drafter_checkpoint import load_drafter
+from dspark_server.planner import (
+    CalibrationDriftTracker,
+    LiveSpsTable,
+    PlannerConfig,
+    SpsCostTable,
+    StsCalibration,
+    load_sps_table,
+    load_sts_calibration,
+    make_planner,
+    save_sps_table,
+)
+
+log = logging.getLogger(__name__)
+
+CALIBRATION_FILE = "sts_calibration.json"
+PROFILES_DIR = Path(__file__).resolve().parents[2] / "profiles"
+STARTUP_PROFILE_BUDGET_S = 25.0
+
+
+def build_speculative(cfg: EngineConfig, runner: ModelRunner) -> SpeculativeDecoder:
+    assert cfg.draft_dir is not None
+    spec = cfg.spec
+    drafter = load_drafter(cfg.draft_dir, runner.target, runner.dtype)
+    gamma = spec.gamma or drafter.gamma
+    pool = drafter.new_kv_pool(runner.allocator.num_slots, runner.dtype)
+    table = resolve_sps_table(cfg, runner) if spec.mode == "dspark" else None
+    planner = make_planner(PlannerConfig(mode=spec.mode, gamma=gamma, threshold=spec.threshold), table)
+    live = LiveSpsTable(table, enabled=spec.live_sps_refresh) if table is not None else None
+    if spec.mode in ("dspark", "threshold") and drafter.confidence_head is None:
+        raise ValueError(f"--spec-mode {spec.mode} needs a drafter with a confidence head")
+    return SpeculativeDecoder(drafter, pool, planner, resolve_calibration(cfg, drafter.gamma), live,
+                              CalibrationDriftTracker(gamma), gamma)
+
+
+def resolve_calibration(cfg: EngineConfig, block: int) -> StsCalibration:
+    explicit = cfg.spec.calibration_path
+    path = Path(explicit) if explicit else Path(cfg.draft_dir or "") / CALIBRATION_FILE
+    if path.is_file():
+        return load_sts_calibration(path)
+    if explicit:
+        raise FileNotFoundError(f"calibration file {explicit} does not exist")
+    log.warning("no STS calibration next to the drafter (%s): using raw confidences", path)
+    return StsCalibration.identity(block)
+
+
+def resolve_sps_table(cfg: EngineConfig, runner: ModelRunner) -> SpsCostTable:
+    """--profile, else a table in profiles/ or the cache made for this model and machine, else
+    profile now (bounded) and cache the result."""
+    if cfg.spec.profile_path:
+        return load_sps_table(cfg.spec.profile_path)
+    key = profile_key(cfg.model_dir, cfg.dtype)
+    for candidate in [*sorted(PROFILES_DIR.glob("*.json")), cache_dir() / f"{key}.json"]:
+        if candidate.is_file() and _profile_key_of(candidate) == key:
+            log.info("using SPS profile %s", candidate)
+            return load_sps_table(candidate)
+    log.info("no SPS profile for this model and machine: profiling (<= %.0f s)", STARTUP_PROFILE_BUDGET_S)
+    table = profile_sps(runner, cfg.max_batch_tokens, block=(cfg.spec.gamma or 7) + 1, repeats=3,
+                        time_budget_s=STARTUP_PROFILE_BUDGET_S)
+    out = cache_dir() / f"{key}.json"
+    save_sps_table(table, out, metadata={"profile_key": key, "model_dir": cfg.model_dir,
+                                         "dtype": cfg.dtype, "machine": machine_description()})
+    return table
+
+
+def _profile_key_of(path: Path) -> str | None:
+    try:
+        raw = json.loads(path.read_text())
+    except (OSError, json.JSONDecodeError):
+        return None
+    return raw.get("profile_key") if isinstance(raw, dict) else None

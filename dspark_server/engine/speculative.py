@@ -1,0 +1,176 @@
+"""THE speculative step: draft -> plan -> verify (one ragged target forward) -> commit.
+
+Invariants between rounds, for every decoding request with ``n = num_tokens``:
+  * the target's KV cache holds positions 0..n-2; the anchor x0 = all_ids[-1] sits at n-1;
+  * the drafter's context K/V (same slots) hold the projected target features of 0..n-2.
+A round verifies [x0, x1..xℓ] at positions n-1..n-1+ℓ, keeps the target K/V and drafter context
+of x0..x_acc, and truncates the rest, which restores both invariants for the new anchor.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import torch
+
+from dspark_server.engine.batch import SeqChunk
+from dspark_server.engine.request import Request
+from dspark_server.engine.sampling import SamplingTensors, sample, sample_from_logits, shape_probs
+from dspark_server.engine.scheduler import ScheduledChunk
+from dspark_server.engine.verify import verify, verify_greedy
+from dspark_server.models.attention import KVPool
+from dspark_server.models.drafter import DraftContext, DSparkDrafter
+from dspark_server.planner import CalibrationDriftTracker, LiveSpsTable, StsCalibration, VerifyPlanner
+
+if TYPE_CHECKING:
+    from dspark_server.engine.engine import LLMEngine
+
+
+@dataclass(frozen=True)
+class Drafts:
+    tokens: torch.Tensor  # [R, γ]
+    probs: torch.Tensor | None  # [R, γ, V] q each draft was sampled from (None: all greedy)
+    confidence_logits: torch.Tensor | None  # [R, γ] raw, before STS
+
+
+class SpeculativeDecoder:
+    def __init__(self, drafter: DSparkDrafter, pool: KVPool, planner: VerifyPlanner,
+                 calibration: StsCalibration, live_sps: LiveSpsTable | None,
+                 drift: CalibrationDriftTracker, gamma: int) -> None:
+        if not 1 <= gamma <= drafter.gamma:
+            raise ValueError(f"gamma must be in 1..{drafter.gamma} (the drafter's block size), got {gamma}")
+        if calibration.gamma < gamma:
+            raise ValueError(f"calibration covers {calibration.gamma} positions, gamma is {gamma}")
+        self.drafter = drafter
+        self.pool = pool
+        self.planner = planner
+        self.calibration = StsCalibration(temperatures=calibration.temperatures[:gamma])
+        self.live_sps = live_sps
+        self.drift = drift
+        self.gamma = gamma
+        self.last_verify_lens: list[int] = []
+
+    @torch.inference_mode()
+    def step(self, engine: LLMEngine, decodes: list[Request], prefills: list[ScheduledChunk]) -> None:
+        runner, gamma = engine.runner, self.gamma
+        alloc = runner.allocator
+        sampling = SamplingTensors.from_params([r.params for r in decodes])
+        generators = [r.generator for r in decodes]
+        anchor_pos = [r.num_computed for r in decodes]
+        drafts = Drafts(torch.zeros(0, gamma, dtype=torch.long), None, None)
+        lens: list[int] = []
+        survival = None
+        if decodes:
+            # 1. Draft: one backbone pass for all decoding requests, then the sequential head.
+            anchors = torch.tensor([r.all_ids[-1] for r in decodes])
+            ctx = DraftContext.from_slot_lists([alloc.slots(r.table, 0, p) for r, p in
+                                                zip(decodes, anchor_pos, strict=True)])
+            block = self.drafter.backbone(anchors, torch.tensor(anchor_pos), ctx, self.pool)
+            drafts = self._sample_drafts(block, anchors, sampling, generators)
+
+            # 2. Plan ℓ_r from calibrated confidences (never from the drafted tokens' values).
+            if drafts.confidence_logits is not None:
+                confidences = self.calibration.apply(drafts.confidence_logits)
+                survival = torch.cumprod(confidences, dim=1)
+                if self.live_sps is not None:
+                    self.planner.set_sps_table(self.live_sps.current_table())
+                lens = self.planner.plan(confidences).tolist()
+            else:
+                lens = [gamma] * len(decodes)
+            # Never verify past max_tokens: a cap that depends on lengths only, not token values.
+            lens = [max(0, min(ell, r.params.max_tokens - len(r.output_ids) - 1))
+                    for ell, r in zip(lens, decodes, strict=True)]
+        self.last_verify_lens = lens
+
+        # 3. Verify: [x0, x1..xℓ] per decoding request + prefill chunks, one target forward.
+        chunks = [SeqChunk(r.table, r.num_computed, [r.all_ids[-1]] + drafts.tokens[i, :ell].tolist())
+                  for i, (r, ell) in enumerate(zip(decodes, lens, strict=True))]
+        chunks += [SeqChunk(c.request.table, c.start, c.token_ids) for c in prefills]
+        tail = [ell + 1 for ell in lens] + [1 if c.completes else 0 for c in prefills]
+        result = runner.forward(chunks, tail, capture_layers=self.drafter.capture_layers)
+        engine.stats.record_batch(result.batch.num_tokens, result.seconds)
+        if self.live_sps is not None:
+            self.live_sps.record(result.batch.num_tokens, result.seconds)
+        logits, hidden = result.output.logits, result.output.hidden
+        assert hidden is not None
+        rows = torch.tensor(tail).cumsum(0).tolist()
+        logit_starts = [0] + rows[:-1]
+        starts = logit_starts[: len(decodes)]
+
+        # 4. Rejection sampling per request against the target's distributions.
+        if drafts.probs is None:  # all greedy: accept while the draft equals the target argmax
+            argmax = logits.argmax(dim=-1).tolist()
+            outcome = verify_greedy(drafts.tokens.tolist(),
+                                    [argmax[s: s + ell + 1] for s, ell in zip(starts, lens, strict=True)])
+        else:
+            target_probs = [shape_probs(logits[s: s + ell + 1], _rows(sampling, i, ell + 1))
+                            for i, (s, ell) in enumerate(zip(starts, lens, strict=True))]
+            outcome = verify(drafts.tokens, drafts.probs, target_probs, lens, generators)
+        if survival is not None:
+            self.drift.record(survival, torch.tensor(outcome.accepted), torch.tensor(lens))
+
+        # 5. Commit: keep x0..x_acc in both caches, emit accepted drafts + corrected/bonus token.
+        for i, req in enumerate(decodes):
+            ell, acc = lens[i], outcome.accepted[i]
+            a = anchor_pos[i]
+            offset = result.batch.offsets[i]
+            alloc.truncate(req.table, a + acc + 1)
+            self.drafter.write_context(hidden[offset: offset + acc + 1], torch.arange(a, a + acc + 1),
+                                       alloc.slots(req.table, a, a + acc + 1), self.pool)
+            new_tokens = drafts.tokens[i, :acc].tolist() + [outcome.next_tokens[i]]
+            kept = engine.commit(req, new_tokens)
+            req.spec.rounds += 1
+            req.spec.draft_tokens += gamma
+            req.spec.verified_tokens += ell
+            req.spec.accepted_tokens += acc
+            req.spec.emitted_tokens += kept
+            engine.stats.record_spec_round(gamma, ell, acc, kept)
+
+        # Prefill chunks: their drafter context and, when complete, their first sampled token.
+        self._finish_prefills(engine, prefills, result.batch.offsets[len(decodes):], hidden,
+                              logits, logit_starts[len(decodes):])
+
+    def _sample_drafts(self, block, anchors: torch.Tensor, sampling: SamplingTensors,  # noqa: ANN001
+                       generators: Sequence[torch.Generator]) -> Drafts:
+        """Left to right: x_k ~ q_k = shape(U_k + B_k(x_{k-1}, state)), the request's settings."""
+        greedy = sampling.all_greedy
+        state = self.drafter.init_head_state(block.hidden[:, 0])
+        prev = anchors
+        tokens, probs, prevs = [], [], []
+        for k in range(self.gamma):
+            step_logits, state = self.drafter.step_logits(block.logits[:, k], prev, block.hidden[:, k], state)
+            prevs.append(prev)
+            if greedy:
+                prev = step_logits.argmax(dim=-1)
+            else:
+                qk = shape_probs(step_logits, sampling)
+                prev = sample(qk, generators)
+                probs.append(qk)
+            tokens.append(prev)
+        conf = self.drafter.confidence_logits(block.hidden[:, : self.gamma], torch.stack(prevs, dim=1))
+        return Drafts(torch.stack(tokens, dim=1), torch.stack(probs, dim=1) if probs else None, conf)
+
+    def _finish_prefills(self, engine: LLMEngine, prefills: list[ScheduledChunk], offsets: Sequence[int],
+                         hidden: torch.Tensor, logits: torch.Tensor, logit_starts: Sequence[int]) -> None:
+        sampled = []
+        for c, off, ls in zip(prefills, offsets, logit_starts, strict=True):
+            n, start = c.num_tokens, c.start
+            alloc = engine.runner.allocator
+            self.drafter.write_context(hidden[off: off + n], torch.arange(start, start + n),
+                                       alloc.slots(c.request.table, start, start + n), self.pool)
+            if c.completes:
+                sampled.append((c.request, ls))
+        if sampled:
+            reqs = [r for r, _ in sampled]
+            rows = logits[torch.tensor([ls for _, ls in sampled])]
+            toks = sample_from_logits(rows, SamplingTensors.from_params([r.params for r in reqs]),
+                                      [r.generator for r in reqs])
+            for req, tok in zip(reqs, toks.tolist(), strict=True):
+                engine.commit(req, [tok])
+
+
+def _rows(s: SamplingTensors, i: int, n: int) -> SamplingTensors:
+    return SamplingTensors(s.temperature[i: i + 1].expand(n), s.top_p[i: i + 1].expand(n),
+                           s.top_k[i: i + 1].expand(n))
