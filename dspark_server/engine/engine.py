@@ -153,13 +153,21 @@ class LLMEngine:
         for req, tok in zip(sampling, tokens.tolist(), strict=True):
             self.commit(req, [tok])
 
-    def commit(self, req: Request, tokens: list[int]) -> int:
-        """Append tokens (stopping where a stop condition hits), stream the delta, finish if done."""
+    def commit(self, req: Request, tokens: list[int], spec_round: tuple[int, int, int] | None = None) -> int:
+        """Append tokens (stopping where a stop condition hits), stream the delta, finish if done.
+
+        ``spec_round`` = (drafted, verified, accepted) of the speculative round that produced the
+        tokens; its statistics are recorded before the delta leaves, so the final one is complete.
+        """
         if req.first_token_time is None:
             req.first_token_time = time.monotonic()
             self.stats.record_first_token(req)
         kept = self.outputs.append(req, tokens)
         self.stats.generation_tokens += kept
+        if spec_round is not None:
+            drafted, verified, accepted = spec_round
+            req.spec.record_round(drafted, verified, accepted, kept)
+            self.stats.record_spec_round(drafted, verified, accepted, kept)
         if req.finish_reason is not None:
             self._finish(req)
         else:

@@ -65,6 +65,13 @@ class SpecStats:
     accepted_tokens: int = 0
     emitted_tokens: int = 0  # tokens emitted by speculative rounds (accepted + bonus/corrected)
 
+    def record_round(self, drafted: int, verified: int, accepted: int, emitted: int) -> None:
+        self.rounds += 1
+        self.draft_tokens += drafted
+        self.verified_tokens += verified
+        self.accepted_tokens += accepted
+        self.emitted_tokens += emitted
+
     @property
     def mean_acceptance_length(self) -> float:
         return self.emitted_tokens / self.rounds if self.rounds else 1.0

@@ -21,7 +21,7 @@ from dspark_server.engine.sampling import SamplingTensors, sample, sample_from_l
 from dspark_server.engine.scheduler import ScheduledChunk
 from dspark_server.engine.verify import verify, verify_greedy
 from dspark_server.models.attention import KVPool
-from dspark_server.models.drafter import DraftContext, DSparkDrafter
+from dspark_server.models.drafter import DraftBlock, DraftContext, DSparkDrafter
 from dspark_server.planner import CalibrationDriftTracker, LiveSpsTable, StsCalibration, VerifyPlanner
 
 if TYPE_CHECKING:
@@ -68,7 +68,7 @@ class SpeculativeDecoder:
             ctx = DraftContext.from_slot_lists([alloc.slots(r.table, 0, p) for r, p in
                                                 zip(decodes, anchor_pos, strict=True)])
             block = self.drafter.backbone(anchors, torch.tensor(anchor_pos), ctx, self.pool)
-            drafts = self._sample_drafts(block, anchors, sampling, generators)
+            drafts = self.sample_drafts(decodes, block, anchors, sampling, generators)
 
             # 2. Plan ℓ_r from calibrated confidences (never from the drafted tokens' values).
             if drafts.confidence_logits is not None:
@@ -120,20 +120,14 @@ class SpeculativeDecoder:
             self.drafter.write_context(hidden[offset: offset + acc + 1], torch.arange(a, a + acc + 1),
                                        alloc.slots(req.table, a, a + acc + 1), self.pool)
             new_tokens = drafts.tokens[i, :acc].tolist() + [outcome.next_tokens[i]]
-            kept = engine.commit(req, new_tokens)
-            req.spec.rounds += 1
-            req.spec.draft_tokens += gamma
-            req.spec.verified_tokens += ell
-            req.spec.accepted_tokens += acc
-            req.spec.emitted_tokens += kept
-            engine.stats.record_spec_round(gamma, ell, acc, kept)
+            engine.commit(req, new_tokens, spec_round=(gamma, ell, acc))
 
         # Prefill chunks: their drafter context and, when complete, their first sampled token.
         self._finish_prefills(engine, prefills, result.batch.offsets[len(decodes):], hidden,
                               logits, logit_starts[len(decodes):])
 
-    def _sample_drafts(self, block, anchors: torch.Tensor, sampling: SamplingTensors,  # noqa: ANN001
-                       generators: Sequence[torch.Generator]) -> Drafts:
+    def sample_drafts(self, decodes: list[Request], block: DraftBlock, anchors: torch.Tensor,
+                      sampling: SamplingTensors, generators: Sequence[torch.Generator]) -> Drafts:
         """Left to right: x_k ~ q_k = shape(U_k + B_k(x_{k-1}, state)), the request's settings."""
         greedy = sampling.all_greedy
         state = self.drafter.init_head_state(block.hidden[:, 0])

@@ -62,15 +62,16 @@ def tiny_hf_config(vocab_size: int, hidden: int = 64, layers: int = 2, heads: in
 
 def build_tiny_model(out_dir: str | Path, seed: int = 0, hidden: int = 64, layers: int = 2,
                      heads: int = 4, kv_heads: int = 2, intermediate: int = 128,
-                     init_std: float = 0.2, with_eos: bool = True) -> Path:
+                     init_std: float = 0.2, with_eos: bool = True, vocab_size: int | None = None) -> Path:
     """A random Qwen3 target with a real byte-level BPE tokenizer and chat template.
 
     ``init_std`` is large so that logits are far from ties (greedy equality tests stay exact).
     ``with_eos=False`` lists no EOS id so that generations run to ``max_tokens``.
+    ``vocab_size`` shrinks the model's vocabulary below the tokenizer's (exact-distribution tests).
     """
     out = Path(out_dir)
     tok = build_tokenizer(out)
-    vocab = tok.get_vocab_size()
+    vocab = vocab_size or tok.get_vocab_size()
     eos = [tok.token_to_id("<|im_end|>"), tok.token_to_id("<|endoftext|>")] if with_eos else []
     hf = tiny_hf_config(vocab, hidden, layers, heads, kv_heads, intermediate, eos)
     torch.manual_seed(seed)

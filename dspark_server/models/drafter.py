@@ -1,0 +1,314 @@
+"""DSpark drafter: a few Qwen3-style layers over [anchor, mask * (gamma - 1)] conditioned on the target.
+
+Parameter names equal DeepSpec's ``Qwen3DSparkModel`` (``layers.{i}.self_attn.{q,k,v,o}_proj``,
+``layers.{i}.self_attn.{q,k}_norm``, ``layers.{i}.mlp.{gate,up,down}_proj``,
+``layers.{i}.{input,post_attention}_layernorm``, ``norm``, ``fc``, ``hidden_norm``, ``markov_head.*``,
+``confidence_head.*``). The token embedding and LM head are the target's: shared, frozen, and not
+registered as submodules (``drafter_checkpoint`` writes copies under DeepSpec's names).
+
+Context injection (per draft layer l, for committed target position p < anchor position a):
+    c_p = hidden_norm(fc(concat of target layer outputs at p))        # [H], computed once
+    K_l(p) = rope(k_norm(k_proj_l(c_p)), p),  V_l(p) = v_proj_l(c_p)  # no input_layernorm
+The block's gamma tokens sit at positions a..a+gamma-1, attend to K/V of context positions < a
+and bidirectionally to each other. Output h = norm(x); base logits U = lm_head(h) (the target's
+head WITHOUT the target's final norm). Block position k (0-based) predicts token a + k + 1.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.nn.utils.rnn import pad_sequence
+
+from dspark_server.models.attention import KVPool
+from dspark_server.models.drafter_config import DraftConfig
+from dspark_server.models.drafter_heads import build_confidence_head, build_markov_head
+from dspark_server.models.layers import RMSNorm, RotaryEmbedding, SwiGLU, apply_rotary
+from dspark_server.models.target import TargetModel
+
+Attend = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
+
+
+@dataclass(frozen=True)
+class SharedModules:
+    """The target's embedding and LM head, held by reference (not submodules of the drafter)."""
+
+    embed_tokens: nn.Embedding
+    lm_head: nn.Linear
+
+
+@dataclass(frozen=True)
+class DraftContext:
+    """Where each request's context K/V live in the drafter pool.
+
+    slots [R, Cmax]: pool slot of context position j of request r (padding points at slot 0).
+    lens [R]: number of valid context positions (normally == the anchor position).
+    """
+
+    slots: torch.Tensor
+    lens: torch.Tensor
+
+    @classmethod
+    def from_slot_lists(cls, slots: Sequence[torch.Tensor]) -> DraftContext:
+        """E.g. ``[allocator.slots(table, 0, anchor_pos) for each request]``."""
+        lens = torch.tensor([len(s) for s in slots], dtype=torch.long)
+        if int(lens.max()) == 0:
+            return cls(torch.zeros(len(slots), 0, dtype=torch.long), lens)
+        return cls(pad_sequence([s.long() for s in slots], batch_first=True), lens)
+
+
+@dataclass(frozen=True)
+class DraftBlock:
+    hidden: torch.Tensor  # [R, gamma, H] backbone outputs h_1..h_gamma (after the drafter's norm)
+    logits: torch.Tensor  # [R, gamma, V] base logits U_1..U_gamma
+
+
+@dataclass(frozen=True)
+class DraftTrainOutput:
+    logits: torch.Tensor  # [B, A, gamma, V] U_k + B_k with teacher-forced x_{k-1}
+    confidence_logits: torch.Tensor | None  # [B, A, gamma] raw (pre-sigmoid), float32
+    hidden: torch.Tensor  # [B, A, gamma, H]
+    prev_tokens: torch.Tensor  # [B, A, gamma] x_{k-1}: anchor token, then data tokens
+
+
+class DraftAttention(nn.Module):
+    def __init__(self, cfg: DraftConfig) -> None:
+        super().__init__()
+        self.num_heads, self.num_kv_heads, self.head_dim = (cfg.num_attention_heads,
+                                                            cfg.num_key_value_heads, cfg.head_dim)
+        h, d, bias = cfg.hidden_size, cfg.head_dim, cfg.attention_bias
+        self.q_proj = nn.Linear(h, self.num_heads * d, bias=bias)
+        self.k_proj = nn.Linear(h, self.num_kv_heads * d, bias=bias)
+        self.v_proj = nn.Linear(h, self.num_kv_heads * d, bias=bias)
+        self.o_proj = nn.Linear(self.num_heads * d, h, bias=bias)
+        self.q_norm = RMSNorm(d, cfg.rms_norm_eps)
+        self.k_norm = RMSNorm(d, cfg.rms_norm_eps)
+
+    def kv(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """x [T, H] -> rotated, normed k [T, Hkv, D] and v [T, Hkv, D]."""
+        t = x.shape[0]
+        k = self.k_norm(self.k_proj(x).view(t, self.num_kv_heads, self.head_dim))
+        return apply_rotary(k, cos, sin), self.v_proj(x).view(t, self.num_kv_heads, self.head_dim)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attend: Attend) -> torch.Tensor:
+        t = x.shape[0]
+        q = apply_rotary(self.q_norm(self.q_proj(x).view(t, self.num_heads, self.head_dim)), cos, sin)
+        k, v = self.kv(x, cos, sin)
+        return self.o_proj(attend(q, k, v).reshape(t, self.num_heads * self.head_dim))
+
+
+class DraftLayer(nn.Module):
+    def __init__(self, cfg: DraftConfig) -> None:
+        super().__init__()
+        self.self_attn = DraftAttention(cfg)
+        self.mlp = SwiGLU(cfg.hidden_size, cfg.intermediate_size)
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attend: Attend) -> torch.Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, attend)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class DSparkDrafter(nn.Module):
+    def __init__(self, cfg: DraftConfig, target: TargetModel) -> None:
+        super().__init__()
+        tcfg = target.config
+        if (cfg.hidden_size, cfg.vocab_size) != (tcfg.hidden_size, tcfg.vocab_size):
+            raise ValueError(f"drafter hidden/vocab {(cfg.hidden_size, cfg.vocab_size)} must equal the "
+                             f"target's {(tcfg.hidden_size, tcfg.vocab_size)} (shared embedding/LM head)")
+        if cfg.num_target_layers != tcfg.num_hidden_layers:
+            raise ValueError(f"drafter was built for a {cfg.num_target_layers}-layer target, "
+                             f"this target has {tcfg.num_hidden_layers} layers")
+        if cfg.target_layer_ids[0] < 0:
+            raise ValueError("target_layer_ids containing -1 (embedding output) are not supported: "
+                             "TargetModel.forward cannot capture the embedding output")
+        self.config = cfg
+        self.shared = SharedModules(target.model.embed_tokens, target.lm_head)
+        self.layers = nn.ModuleList(DraftLayer(cfg) for _ in range(cfg.num_hidden_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.fc = nn.Linear(cfg.context_dim, cfg.hidden_size, bias=False)
+        self.hidden_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.markov_head = build_markov_head(cfg)
+        self.confidence_head = build_confidence_head(cfg)
+        self.rotary_emb = RotaryEmbedding(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling)
+
+    @property
+    def gamma(self) -> int:
+        return self.config.gamma
+
+    @property
+    def capture_layers(self) -> tuple[int, ...]:
+        """Pass as ``TargetModel.forward(capture_layers=...)`` to get this drafter's features."""
+        return self.config.target_layer_ids
+
+    def new_kv_pool(self, num_slots: int, dtype: torch.dtype | None = None) -> KVPool:
+        """A context K/V pool with the same slot numbering as the target's pool."""
+        dtype = dtype or self.fc.weight.dtype
+        cfg = self.config
+        return KVPool(len(self.layers), num_slots, cfg.num_key_value_heads, cfg.head_dim, dtype)
+
+    def embed(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.shared.embed_tokens(ids).to(self.fc.weight.dtype)
+
+    def project_context(self, features: torch.Tensor) -> torch.Tensor:
+        """Target features [..., n_layers * H] -> injected context [..., H]."""
+        return self.hidden_norm(self.fc(features.to(self.fc.weight.dtype)))
+
+    def base_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        w = self.shared.lm_head.weight
+        return F.linear(hidden.to(w.dtype), w)
+
+    # ------------------------------------------------------------------ serving
+
+    @torch.no_grad()
+    def write_context(self, features: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor,
+                      pool: KVPool) -> None:
+        """Write every draft layer's context K/V for T newly committed target positions.
+
+        features [T, n_layers * H] (``TargetOutput.hidden`` rows), positions [T], slots [T]: the
+        slots of those positions in the shared page table.
+        """
+        ctx = self.project_context(features)
+        cos, sin = self.rotary_emb.cos_sin(positions, ctx.dtype)
+        for i, layer in enumerate(self.layers):
+            k, v = layer.self_attn.kv(ctx, cos, sin)
+            pool.k[i].index_copy_(0, slots, k.to(pool.k.dtype))
+            pool.v[i].index_copy_(0, slots, v.to(pool.v.dtype))
+
+    @torch.no_grad()
+    def backbone(self, anchor_tokens: torch.Tensor, anchor_positions: torch.Tensor,
+                 ctx: DraftContext, pool: KVPool) -> DraftBlock:
+        """One parallel pass for R requests: anchor_tokens [R], anchor_positions [R] (position of
+        the anchor == number of committed tokens before it), ctx from ``DraftContext``."""
+        r, g = anchor_tokens.shape[0], self.gamma
+        ids = torch.full((r, g), self.config.mask_token_id, dtype=torch.long)
+        ids[:, 0] = anchor_tokens
+        pos = (anchor_positions.long()[:, None] + torch.arange(g)).reshape(-1)
+        x = self.embed(ids.reshape(-1))
+        cos, sin = self.rotary_emb.cos_sin(pos, x.dtype)
+        cmax = ctx.slots.shape[1]
+        key_ok = torch.cat([torch.arange(cmax)[None, :] < ctx.lens[:, None],
+                            torch.ones(r, g, dtype=torch.bool)], dim=1)
+        mask = key_ok[:, None, None, :]  # [R, 1, 1, Cmax + g]
+        hq, hkv, d = self.config.num_attention_heads, self.config.num_key_value_heads, self.config.head_dim
+        for i, layer in enumerate(self.layers):
+            def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, i: int = i) -> torch.Tensor:
+                kc = pool.k[i][ctx.slots].to(k.dtype)  # [R, Cmax, Hkv, D]
+                vc = pool.v[i][ctx.slots].to(v.dtype)
+                kk = torch.cat([kc, k.view(r, g, hkv, d)], dim=1).transpose(1, 2)
+                vv = torch.cat([vc, v.view(r, g, hkv, d)], dim=1).transpose(1, 2)
+                qq = q.view(r, g, hq, d).transpose(1, 2)
+                out = F.scaled_dot_product_attention(qq, kk, vv, attn_mask=mask, enable_gqa=hq != hkv)
+                return out.transpose(1, 2).reshape(r * g, hq, d)
+            x = layer(x, cos, sin, attend)
+        h = self.norm(x).view(r, g, -1)
+        return DraftBlock(hidden=h, logits=self.base_logits(h))
+
+    def init_head_state(self, hidden: torch.Tensor) -> torch.Tensor | None:
+        """Head state before step 1; hidden [R, H] (e.g. ``block.hidden[:, 0]``). None if stateless."""
+        return None if self.markov_head is None else self.markov_head.init_state(hidden)
+
+    def head_step(self, prev_tokens: torch.Tensor, hidden: torch.Tensor,
+                  state: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """prev_tokens [R] (x_{k-1}; the anchor for k = 1), hidden [R, H] (h_k), state ->
+        (additive logits B_k [R, V], next state). Zeros for a parallel-only drafter."""
+        if self.markov_head is None:
+            return hidden.new_zeros(hidden.shape[0], self.config.vocab_size), state
+        return self.markov_head.step(prev_tokens, hidden, state)
+
+    def step_logits(self, base_logits: torch.Tensor, prev_tokens: torch.Tensor, hidden: torch.Tensor,
+                    state: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """U_k + B_k: base_logits [R, V] -> (draft logits [R, V], next state)."""
+        if self.markov_head is None:
+            return base_logits, state
+        return self.markov_head.step_logits(base_logits, prev_tokens, hidden, state)
+
+    def confidence_logits(self, hidden: torch.Tensor, prev_tokens: torch.Tensor) -> torch.Tensor | None:
+        """Raw confidence logits [...] (float32) from hidden [..., H] and x_{k-1} [...]."""
+        if self.confidence_head is None:
+            return None
+        emb = None
+        if self.config.confidence_head_with_markov:
+            assert self.markov_head is not None
+            emb = self.markov_head.prev_embed(prev_tokens)
+        return self.confidence_head(hidden, emb)
+
+    @torch.no_grad()
+    def greedy_draft(self, block: DraftBlock, anchor_tokens: torch.Tensor
+                     ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Reference left-to-right loop at temperature 0 -> (tokens [R, g], confidence logits)."""
+        state = self.init_head_state(block.hidden[:, 0])
+        prev, out = anchor_tokens.long(), []
+        for k in range(self.gamma):
+            logits, state = self.step_logits(block.logits[:, k], prev, block.hidden[:, k], state)
+            prev = logits.argmax(dim=-1)
+            out.append(prev)
+        tokens = torch.stack(out, dim=1)
+        prevs = torch.cat([anchor_tokens.long()[:, None], tokens[:, :-1]], dim=1)
+        return tokens, self.confidence_logits(block.hidden, prevs)
+
+    # ------------------------------------------------------------------ training
+
+    def forward_train(self, features: torch.Tensor, input_ids: torch.Tensor,
+                      anchors: torch.Tensor) -> DraftTrainOutput:
+        """All blocks of a batch in one pass.
+
+        features [B, S, n_layers * H]: target features of every position; input_ids [B, S];
+        anchors [B, A]: anchor positions (block a covers positions a..a+g-1, predicts a+1..a+g).
+        Each block attends to context positions < its anchor and to its own g tokens only.
+        Draft logits use teacher forcing, x_{k-1} = data token (as DeepSpec). Rows whose block
+        runs past S read clamped (last-token) ids and must be masked by the loss.
+        """
+        b, s = input_ids.shape
+        a, g = anchors.shape[1], self.gamma
+        anchors = anchors.long()
+        pos = anchors[..., None] + torch.arange(g)  # [B, A, g]
+        prev = torch.gather(input_ids, 1, pos.clamp(max=s - 1).view(b, -1)).view(b, a, g)
+        ids = torch.full_like(prev, self.config.mask_token_id)
+        ids[..., 0] = prev[..., 0]
+        x = self.embed(ids.view(-1))
+        cos, sin = self.rotary_emb.cos_sin(pos.reshape(-1), x.dtype)
+        ctx = self.project_context(features).reshape(b * s, -1)
+        ccos, csin = self.rotary_emb.cos_sin(torch.arange(s).repeat(b), x.dtype)
+        ctx_ok = (torch.arange(s)[None, None, :] < anchors[..., None])  # [B, A, S]
+        ctx_ok = ctx_ok[:, None, :, None, :].expand(b, 1, a, g, s).reshape(b, 1, a * g, s)
+        rep = self.config.num_attention_heads // self.config.num_key_value_heads
+        for layer in self.layers:
+            kc, vc = layer.self_attn.kv(ctx, ccos, csin)  # [B*S, Hkv, D]
+
+            def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                       kc: torch.Tensor = kc, vc: torch.Tensor = vc) -> torch.Tensor:
+                return _train_block_attention(q, k, v, kc, vc, ctx_ok, b, a, g, s, rep)
+            x = layer(x, cos, sin, attend)
+        h = self.norm(x).view(b, a, g, -1)
+        logits = self.base_logits(h)
+        if self.markov_head is not None:
+            logits = logits + self.markov_head.block_bias(prev, h).to(logits.dtype)
+        return DraftTrainOutput(logits=logits, confidence_logits=self.confidence_logits(h, prev),
+                                hidden=h, prev_tokens=prev)
+
+
+def _train_block_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kc: torch.Tensor,
+                           vc: torch.Tensor, ctx_ok: torch.Tensor, b: int, a: int, g: int, s: int,
+                           rep: int) -> torch.Tensor:
+    """Softmax over [context keys (masked by anchor); own block keys], without the A*g x A*g
+    block-to-block score matrix. q [B*A*g, Hq, D], k/v [B*A*g, Hkv, D], kc/vc [B*S, Hkv, D]."""
+    hq, d = q.shape[1], q.shape[2]
+    qb = q.view(b, a, g, hq, d).permute(0, 3, 1, 2, 4)  # [B, Hq, A, g, D]
+    kb = k.view(b, a, g, -1, d).permute(0, 3, 1, 2, 4).repeat_interleave(rep, dim=1)
+    vb = v.view(b, a, g, -1, d).permute(0, 3, 1, 2, 4).repeat_interleave(rep, dim=1)
+    kcb = kc.view(b, s, -1, d).transpose(1, 2).repeat_interleave(rep, dim=1)  # [B, Hq, S, D]
+    vcb = vc.view(b, s, -1, d).transpose(1, 2).repeat_interleave(rep, dim=1)
+    scale = d ** -0.5
+    s_ctx = (qb.reshape(b, hq, a * g, d) @ kcb.transpose(-1, -2)) * scale  # [B, Hq, A*g, S]
+    s_ctx = s_ctx.masked_fill(~ctx_ok, float("-inf"))
+    s_blk = (qb @ kb.transpose(-1, -2)).reshape(b, hq, a * g, g) * scale
+    p = torch.softmax(torch.cat([s_ctx, s_blk], dim=-1).float(), dim=-1).to(q.dtype)
+    p_ctx, p_blk = p[..., :s], p[..., s:]
+    out = p_ctx @ vcb + (p_blk.reshape(b, hq, a, g, g) @ vb).reshape(b, hq, a * g, d)
+    return out.permute(0, 2, 1, 3).reshape(b * a * g, hq, d)

@@ -1,0 +1,137 @@
+"""The drafter's sequential heads (Markov / gated Markov / RNN) and its confidence head.
+
+Module and parameter names follow DeepSpec (``deepspec/modeling/dspark/markov_head.py`` and
+``AcceptRatePredictor`` in ``common.py``) so a DeepSpec ``model.safetensors`` loads unchanged:
+
+- ``markov_head.markov_w1.weight`` [V, r]   W1, embedding of the previous token
+- ``markov_head.markov_w2.weight`` [V, r]   W2 (Linear r -> V, no bias)
+- ``markov_head.gate_proj.{weight [r, H + r], bias [r]}``       gated head only, input [h; W1[x]]
+- ``markov_head.joint_proj.{weight [3r, 2r + H], bias [3r]}``   RNN head only, input [s; W1[x]; h]
+- ``confidence_head.proj.{weight [1, H (+ r)], bias [1]}``      input [h; W1[x_{k-1}]]
+
+Every head maps (previous token, backbone hidden state h_k, state) to an additive logit bias B_k
+through the rank-r bottleneck; nothing here materialises a V x V matrix.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from dspark_server.models.drafter_config import DraftConfig
+
+
+class MarkovHead(nn.Module):
+    """B_k = W2 W1[x_{k-1}]: a rank-r first-order transition; h_k is ignored. Stateless."""
+
+    def __init__(self, vocab_size: int, rank: int) -> None:
+        super().__init__()
+        self.rank = rank
+        self.markov_w1 = nn.Embedding(vocab_size, rank)
+        self.markov_w2 = nn.Linear(rank, vocab_size, bias=False)
+
+    def prev_embed(self, prev_tokens: torch.Tensor) -> torch.Tensor:
+        """W1[x] for token ids of any shape -> [..., r]."""
+        return self.markov_w1(prev_tokens.long())
+
+    def init_state(self, hidden: torch.Tensor) -> torch.Tensor | None:
+        """State before step 1 for hidden [R, H] (None for stateless heads)."""
+        return None
+
+    def latent(self, prev_emb: torch.Tensor, hidden: torch.Tensor,
+               state: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The rank-r vector W2 is applied to, and the next state."""
+        return prev_emb, state
+
+    def step(self, prev_tokens: torch.Tensor, hidden: torch.Tensor,
+             state: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """prev_tokens [R], hidden [R, H] -> (bias [R, V], next state)."""
+        z, state = self.latent(self.prev_embed(prev_tokens), hidden.to(self.markov_w1.weight.dtype),
+                               state)
+        return self.markov_w2(z), state
+
+    def step_logits(self, base_logits: torch.Tensor, prev_tokens: torch.Tensor, hidden: torch.Tensor,
+                    state: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """base [R, V] + bias in one fused GEMM (no separate [R, V] add) -> (logits, next state)."""
+        z, state = self.latent(self.prev_embed(prev_tokens), hidden.to(self.markov_w1.weight.dtype),
+                               state)
+        w2 = self.markov_w2.weight
+        if base_logits.dtype == w2.dtype and base_logits.dim() == 2:
+            return torch.addmm(base_logits, z, w2.t()), state
+        return base_logits + self.markov_w2(z).to(base_logits.dtype), state
+
+    def block_bias(self, prev_tokens: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
+        """Teacher-forced biases for whole blocks: prev [..., g], hidden [..., g, H] -> [..., g, V]."""
+        state = self.init_state(hidden[..., 0, :])
+        emb = self.prev_embed(prev_tokens)
+        hidden = hidden.to(emb.dtype)
+        if state is None:  # stateless: all positions at once
+            z, _ = self.latent(emb, hidden, None)
+            return self.markov_w2(z)
+        zs = []
+        for k in range(prev_tokens.shape[-1]):
+            z, state = self.latent(emb[..., k, :], hidden[..., k, :], state)
+            zs.append(z)
+        return self.markov_w2(torch.stack(zs, dim=-2))
+
+
+class GatedMarkovHead(MarkovHead):
+    """B_k = W2 (sigmoid(G [h_k; W1[x_{k-1}]] + b) * W1[x_{k-1}]). Stateless."""
+
+    def __init__(self, vocab_size: int, rank: int, hidden_size: int) -> None:
+        super().__init__(vocab_size, rank)
+        self.gate_proj = nn.Linear(hidden_size + rank, rank)
+
+    def latent(self, prev_emb: torch.Tensor, hidden: torch.Tensor,
+               state: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor | None]:
+        gate = torch.sigmoid(self.gate_proj(torch.cat([hidden, prev_emb], dim=-1)))
+        return gate * prev_emb, state
+
+
+class RNNHead(MarkovHead):
+    """z = [s_{k-1}; W1[x_{k-1}]; h_k]; (g, c, o) = J z + b;
+    s_k = sigmoid(g) * s_{k-1} + (1 - sigmoid(g)) * tanh(c); B_k = W2 tanh(o); s_0 = 0."""
+
+    def __init__(self, vocab_size: int, rank: int, hidden_size: int) -> None:
+        super().__init__(vocab_size, rank)
+        self.joint_proj = nn.Linear(2 * rank + hidden_size, 3 * rank)
+
+    def init_state(self, hidden: torch.Tensor) -> torch.Tensor:
+        return hidden.new_zeros(*hidden.shape[:-1], self.rank, dtype=self.markov_w1.weight.dtype)
+
+    def latent(self, prev_emb: torch.Tensor, hidden: torch.Tensor,
+               state: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor | None]:
+        assert state is not None, "RNNHead needs the state from init_state"
+        g, c, o = self.joint_proj(torch.cat([state, prev_emb, hidden], dim=-1)).chunk(3, dim=-1)
+        gate = torch.sigmoid(g)
+        new_state = gate * state + (1.0 - gate) * torch.tanh(c)
+        return torch.tanh(o), new_state
+
+
+class ConfidenceHead(nn.Module):
+    """Raw logit w^T [h_k; W1[x_{k-1}]] + b (DeepSpec ``AcceptRatePredictor``); the caller applies
+    the sigmoid (and the STS temperature)."""
+
+    def __init__(self, input_dim: int) -> None:
+        super().__init__()
+        self.proj = nn.Linear(input_dim, 1)
+
+    def forward(self, hidden: torch.Tensor, prev_emb: torch.Tensor | None) -> torch.Tensor:
+        feats = hidden if prev_emb is None else torch.cat([hidden, prev_emb.to(hidden.dtype)], dim=-1)
+        return self.proj(feats.to(self.proj.weight.dtype)).squeeze(-1).float()
+
+
+def build_markov_head(cfg: DraftConfig) -> MarkovHead | None:
+    if cfg.markov_rank == 0:
+        return None
+    if cfg.markov_head_type == "vanilla":
+        return MarkovHead(cfg.vocab_size, cfg.markov_rank)
+    if cfg.markov_head_type == "gated":
+        return GatedMarkovHead(cfg.vocab_size, cfg.markov_rank, cfg.hidden_size)
+    if cfg.markov_head_type == "rnn":
+        return RNNHead(cfg.vocab_size, cfg.markov_rank, cfg.hidden_size)
+    raise ValueError(f"unknown markov_head_type {cfg.markov_head_type!r}")
+
+
+def build_confidence_head(cfg: DraftConfig) -> ConfidenceHead | None:
+    return ConfidenceHead(cfg.confidence_input_dim) if cfg.enable_confidence_head else None

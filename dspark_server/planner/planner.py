@@ -1,0 +1,303 @@
+"""Verification-length planners: confidences [R, gamma] -> verify lengths [R].
+
+All planners see calibrated per-position confidences c(r, j) in [0, 1] and work on the
+prefix survival a(r, j) = prod_{i<=j} c(r, i). A verify length l_r counts draft tokens
+only; the anchor token is always verified, so request r puts 1 + l_r tokens in the batch
+(SGLang's "verify_len" is our 1 + l_r, and its "budget" is our sum of l_r).
+"""
+
+from __future__ import annotations
+
+import math
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from .sps import SpsCostTable
+
+PLANNER_MODES: tuple[str, ...] = ("off", "fixed", "threshold", "dspark", "dspark_budget")
+DEFAULT_SURVIVAL_EPS = 1e-6
+
+
+@dataclass(frozen=True)
+class PlannerConfig:
+    """``mode``: off (no drafts verified), fixed (all gamma), threshold (static confidence
+    cut-off on a(r, j)), dspark (greedy with early stop), dspark_budget (the paper's
+    production variant: token budget from stale confidences, top-k allocation)."""
+
+    mode: str = "dspark"
+    gamma: int = 7
+    threshold: float = 0.5
+    survival_eps: float = DEFAULT_SURVIVAL_EPS
+
+    def __post_init__(self) -> None:
+        if self.mode not in PLANNER_MODES:
+            raise ValueError(f"planner mode must be one of {PLANNER_MODES}, got {self.mode!r}")
+        if not isinstance(self.gamma, int) or self.gamma < 1:
+            raise ValueError(f"gamma must be an int >= 1, got {self.gamma!r}")
+        if not 0.0 <= self.threshold <= 1.0:
+            raise ValueError(f"threshold must be in [0, 1], got {self.threshold}")
+        if self.survival_eps < 0:
+            raise ValueError(f"survival_eps must be >= 0, got {self.survival_eps}")
+
+
+@dataclass(frozen=True)
+class PlanResult:
+    """A plan and its model quantities (for metrics)."""
+
+    verify_lens: torch.Tensor  # [R] int64, l_r in 0..gamma
+    batch_tokens: int  # B = sum_r (1 + l_r)
+    expected_tokens: float  # tau = sum_r (1 + sum_{j<=l_r} a(r, j))
+    expected_throughput: float  # Theta = tau * SPS(B); NaN when the planner has no SPS table
+    budget: int | None = None  # dspark_budget only: the target sum of l_r
+
+
+def _position_major_survival(confidences: torch.Tensor, gamma: int | None = None) -> np.ndarray:
+    """a(r, j) as float32 numpy laid out [gamma, R] (row j holds every request's a(., j));
+    this layout makes the cumulative product and the candidate flattening contiguous."""
+    if confidences.dim() != 2:
+        raise ValueError(f"confidences must be [R, gamma], got shape {tuple(confidences.shape)}")
+    if gamma is not None and confidences.shape[1] != gamma:
+        raise ValueError(f"confidences have {confidences.shape[1]} positions, planner gamma is {gamma}")
+    c = confidences.detach().to("cpu", torch.float32).t().contiguous()
+    c = torch.nan_to_num_(c.clamp_(0.0, 1.0), nan=0.0)
+    return torch.cumprod(c, dim=0).numpy()
+
+
+def prefix_survival(confidences: torch.Tensor, gamma: int | None = None) -> torch.Tensor:
+    """a(r, j) = cumulative product of confidences along j: float32 CPU tensor [R, gamma].
+
+    NaN confidences count as 0 and values are clamped into [0, 1], which keeps a(r, j)
+    non-increasing in j (a float product with a factor <= 1 never rounds upwards).
+    """
+    return torch.from_numpy(_position_major_survival(confidences, gamma)).t()
+
+
+def _ranked_candidates(
+    surv_pm: np.ndarray, valid_pm: np.ndarray | None = None
+) -> tuple[np.ndarray, np.ndarray]:
+    """All candidates in descending a(r, j), ties by j then r (SGLang's order), so each
+    request's candidates come in prefix order. Takes [gamma, R] arrays; returns
+    (values float64, flat indices j * R + r). Invalid candidates sort last as -inf.
+
+    One int64 sort instead of a stable arg-sort (several times faster on CPU): for floats
+    >= 0 the bit pattern orders like the value, so (~bits << 32 | j * R + r) sorts
+    ascending into exactly that order. Masking the sign bit folds -0.0 into +0.0.
+    """
+    bits = surv_pm.reshape(-1).view(np.int32).astype(np.int64) & 0x7FFFFFFF
+    if valid_pm is not None:
+        bits[~valid_pm.reshape(-1)] = -1
+    keys = np.sort(((0x7FFFFFFF - bits) << 32) | np.arange(bits.size, dtype=np.int64))
+    order = keys & 0xFFFFFFFF
+    value_bits = (0x7FFFFFFF - (keys >> 32)).astype(np.int32)
+    values = value_bits.view(np.float32).astype(np.float64)
+    if valid_pm is not None:
+        values[value_bits < 0] = -math.inf
+    return values, order
+
+
+def _summary(surv_pm: np.ndarray, lens: np.ndarray, table: SpsCostTable | None) -> tuple[int, float, float]:
+    gamma, num_requests = surv_pm.shape
+    prefix_sums = np.zeros((gamma + 1, num_requests))
+    np.cumsum(surv_pm, axis=0, dtype=np.float64, out=prefix_sums[1:])
+    batch_tokens = num_requests + int(lens.sum())
+    tau = num_requests + float(prefix_sums[lens, np.arange(num_requests)].sum())
+    theta = tau * table.lookup(batch_tokens) if table is not None else math.nan
+    return batch_tokens, tau, theta
+
+
+def summarize_plan(
+    survival: torch.Tensor, verify_lens: torch.Tensor, sps_table: SpsCostTable | None
+) -> tuple[int, float, float]:
+    """(B, tau, Theta) of ``verify_lens`` under survival a(r, j) [R, gamma] and the table."""
+    surv_pm = survival.detach().to("cpu", torch.float32).t().contiguous().numpy()
+    return _summary(surv_pm, verify_lens.detach().to("cpu", torch.int64).numpy(), sps_table)
+
+
+class VerifyPlanner(ABC):
+    """Chooses l_r for every request of a round at once. ``plan`` is the hot path; the SPS
+    table may be swapped between rounds with :meth:`set_sps_table` (live refresh)."""
+
+    def __init__(self, config: PlannerConfig, sps_table: SpsCostTable | None = None) -> None:
+        self._config = config
+        self._sps_table = sps_table
+
+    @property
+    def config(self) -> PlannerConfig:
+        return self._config
+
+    @property
+    def sps_table(self) -> SpsCostTable | None:
+        return self._sps_table
+
+    def set_sps_table(self, table: SpsCostTable | None) -> None:
+        self._sps_table = table
+
+    def plan(
+        self, confidences: torch.Tensor, *, budget_confidences: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """[R, gamma] calibrated confidences -> [R] int64 verify lengths."""
+        return self.plan_detailed(confidences, budget_confidences=budget_confidences).verify_lens
+
+    @abstractmethod
+    def plan_detailed(
+        self, confidences: torch.Tensor, *, budget_confidences: torch.Tensor | None = None
+    ) -> PlanResult: ...
+
+    def _result(self, surv_pm: np.ndarray, lens: np.ndarray, budget: int | None = None) -> PlanResult:
+        lens = lens.astype(np.int64, copy=False)
+        b, tau, theta = _summary(surv_pm, lens, self._sps_table)
+        return PlanResult(torch.from_numpy(lens), b, tau, theta, budget)
+
+
+class OffPlanner(VerifyPlanner):
+    """No speculation: only the anchor is verified."""
+
+    def plan_detailed(
+        self, confidences: torch.Tensor, *, budget_confidences: torch.Tensor | None = None
+    ) -> PlanResult:
+        surv = _position_major_survival(confidences, self._config.gamma)
+        return self._result(surv, np.zeros(surv.shape[1], dtype=np.int64))
+
+
+class FixedPlanner(VerifyPlanner):
+    """Verify every draft (l_r = gamma)."""
+
+    def plan_detailed(
+        self, confidences: torch.Tensor, *, budget_confidences: torch.Tensor | None = None
+    ) -> PlanResult:
+        surv = _position_major_survival(confidences, self._config.gamma)
+        return self._result(surv, np.full(surv.shape[1], self._config.gamma, dtype=np.int64))
+
+
+class ThresholdPlanner(VerifyPlanner):
+    """l_r = largest j with a(r, j) >= threshold (0 if none)."""
+
+    def plan_detailed(
+        self, confidences: torch.Tensor, *, budget_confidences: torch.Tensor | None = None
+    ) -> PlanResult:
+        surv = _position_major_survival(confidences, self._config.gamma)
+        return self._result(surv, (surv >= self._config.threshold).sum(axis=0))
+
+
+def _require_table(planner: VerifyPlanner) -> SpsCostTable:
+    if planner.sps_table is None:
+        raise ValueError(f"planner mode {planner.config.mode!r} needs an SPS cost table")
+    return planner.sps_table
+
+
+class DSparkPlanner(VerifyPlanner):
+    """The hardware-aware prefix scheduler with early stop.
+
+    Walking candidates in descending a(r, j), step k has B_k = R + k and
+    tau_k = R + (sum of the first k values); the greedy keeps admitting while
+    Theta_k = tau_k * SPS(B_k) strictly beats Theta_{k-1} and stops at the first step that
+    does not. So the admitted count is the length of the leading run of strict improvements.
+    """
+
+    def plan_detailed(
+        self, confidences: torch.Tensor, *, budget_confidences: torch.Tensor | None = None
+    ) -> PlanResult:
+        table = _require_table(self)
+        surv = _position_major_survival(confidences, self._config.gamma)
+        num_requests = surv.shape[1]
+        if num_requests == 0:
+            return PlanResult(torch.zeros(0, dtype=torch.int64), 0, 0.0, 0.0)
+        values, order = _ranked_candidates(surv)
+        tau = np.empty(values.size + 1)
+        tau[0] = 0.0
+        np.cumsum(values, out=tau[1:])
+        tau += num_requests
+        theta = tau * table.lookup_range(num_requests, tau.size)
+        declines = np.flatnonzero(theta[1:] <= theta[:-1])
+        admitted = int(declines[0]) if declines.size else values.size
+        lens = np.bincount(order[:admitted] % num_requests, minlength=num_requests)
+        return PlanResult(
+            torch.from_numpy(lens.astype(np.int64, copy=False)),
+            num_requests + admitted,
+            float(tau[admitted]),
+            float(theta[admitted]),
+        )
+
+
+def _budget_from_pm(surv_pm: np.ndarray, table: SpsCostTable, survival_eps: float) -> tuple[int, float]:
+    num_requests = surv_pm.shape[1]
+    cand = surv_pm.reshape(-1)
+    ranked = np.sort(cand[cand >= survival_eps].astype(np.float64))[::-1]
+    tau = np.concatenate(([0.0], np.cumsum(ranked)))
+    tau += num_requests
+    theta = tau * table.lookup_range(num_requests, tau.size)
+    k = int(np.argmax(theta))
+    return k, float(theta[k])
+
+
+def _allocate_from_pm(surv_pm: np.ndarray, budget: int, survival_eps: float) -> np.ndarray:
+    num_requests = surv_pm.shape[1]
+    if budget <= 0 or surv_pm.size == 0:
+        return np.zeros(num_requests, dtype=np.int64)
+    values, order = _ranked_candidates(surv_pm, surv_pm >= survival_eps)
+    chosen = order[:budget][values[:budget] > -math.inf]
+    return np.bincount(chosen % num_requests, minlength=num_requests).astype(np.int64)
+
+
+def _pm(survival: torch.Tensor) -> np.ndarray:
+    if survival.dim() != 2:
+        raise ValueError(f"survival must be [R, gamma], got shape {tuple(survival.shape)}")
+    return survival.detach().to("cpu", torch.float32).t().contiguous().numpy()
+
+
+def verify_token_budget(
+    survival: torch.Tensor, table: SpsCostTable, survival_eps: float = DEFAULT_SURVIVAL_EPS
+) -> tuple[int, float]:
+    """Token budget K (sum of l_r) maximising (R + top-K survival sum) * SPS(R + K), with no
+    early stop, from survival a(r, j) [R, gamma].
+
+    Same arithmetic as SGLang's ``compute_verify_token_budget`` for a plain SPS table:
+    candidates below ``survival_eps`` are dropped and ties in Theta go to the smallest K.
+    Returns (K, Theta_K).
+    """
+    return _budget_from_pm(_pm(survival), table, survival_eps)
+
+
+def allocate_budget(
+    survival: torch.Tensor, budget: int, survival_eps: float = DEFAULT_SURVIVAL_EPS
+) -> torch.Tensor:
+    """Give the ``budget`` highest-survival candidates (SGLang's tie order) to their requests;
+    candidates below ``survival_eps`` never count. Returns [R] int64 l_r."""
+    return torch.from_numpy(_allocate_from_pm(_pm(survival), int(budget), survival_eps))
+
+
+class DSparkBudgetPlanner(VerifyPlanner):
+    """Production variant: the budget comes from ``budget_confidences`` (confidences from
+    rounds ago, row-aligned with the current requests; rows of requests without history
+    should be all 1.0, as SGLang does), then the budget is spent top-k on the current
+    confidences. Without ``budget_confidences`` the current ones set the budget."""
+
+    def plan_detailed(
+        self, confidences: torch.Tensor, *, budget_confidences: torch.Tensor | None = None
+    ) -> PlanResult:
+        table = _require_table(self)
+        surv = _position_major_survival(confidences, self._config.gamma)
+        history = surv if budget_confidences is None else _position_major_survival(budget_confidences)
+        if history.shape[1] != surv.shape[1]:
+            raise ValueError(f"budget_confidences has {history.shape[1]} rows, confidences {surv.shape[1]}")
+        budget, _ = _budget_from_pm(history, table, self._config.survival_eps)
+        lens = _allocate_from_pm(surv, budget, self._config.survival_eps)
+        return self._result(surv, lens, budget)
+
+
+_PLANNERS: dict[str, type[VerifyPlanner]] = {
+    "off": OffPlanner,
+    "fixed": FixedPlanner,
+    "threshold": ThresholdPlanner,
+    "dspark": DSparkPlanner,
+    "dspark_budget": DSparkBudgetPlanner,
+}
+
+
+def make_planner(config: PlannerConfig, sps_table: SpsCostTable | None = None) -> VerifyPlanner:
+    """Planner for ``config.mode``; dspark modes need ``sps_table`` (here or via set_sps_table
+    before the first plan)."""
+    return _PLANNERS[config.mode](config, sps_table)

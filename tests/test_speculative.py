@@ -1,0 +1,228 @@
+"""Speculative decoding is lossless: greedy equality, exact distributions, oracle drafts, rollback."""
+
+from __future__ import annotations
+
+import random
+from pathlib import Path
+
+import pytest
+import torch
+
+from dspark_server.config import EngineConfig, SpeculativeConfig
+from dspark_server.engine.engine import LLMEngine
+from dspark_server.engine.request import SamplingParams
+from dspark_server.engine.sampling import SamplingTensors, shape_probs
+from dspark_server.engine.speculative import Drafts
+from dspark_server.models.attention import DenseCausalAttention
+from dspark_server.testing.tiny import build_tiny_drafter, build_tiny_model
+from test_engine import Collector, run_all
+
+MODES = ("fixed", "threshold", "dspark")
+
+
+@pytest.fixture(scope="module")
+def pair(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
+    root = tmp_path_factory.mktemp("pair")
+    # A small vocabulary lets random drafts be right now and then: accepts and rejections both occur.
+    target = build_tiny_model(root / "target", layers=3, with_eos=False, seed=5, vocab_size=24)
+    return target, build_tiny_drafter(target, root / "draft", gamma=4, seed=6)
+
+
+@pytest.fixture(scope="module")
+def small_vocab_pair(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
+    root = tmp_path_factory.mktemp("small")
+    target = build_tiny_model(root / "target", layers=2, with_eos=False, seed=7, vocab_size=12,
+                              init_std=0.08)
+    return target, build_tiny_drafter(target, root / "draft", gamma=3, seed=8, init_std=0.05)
+
+
+def make_engine(target: Path, draft: Path | None, mode: str = "off", **kw: object) -> LLMEngine:
+    spec = SpeculativeConfig(mode=mode if draft else "off", threshold=0.3)  # type: ignore[arg-type]
+    cfg = EngineConfig(model_dir=str(target), draft_dir=str(draft) if draft else None, dtype="float64",
+                       max_batch_tokens=kw.pop("max_batch_tokens", 1024), spec=spec, **kw)  # type: ignore[arg-type]
+    return LLMEngine(cfg)
+
+
+def generate(engine: LLMEngine, prompts: list[list[int]], params: list[SamplingParams]) -> Collector:
+    col = Collector()
+    for i, (p, sp) in enumerate(zip(prompts, params, strict=True)):
+        engine.add_request(str(i), p, sp, col.sink(str(i)))
+    run_all(engine)
+    return col
+
+
+@pytest.mark.parametrize("concurrency", [1, 8, 32])
+def test_greedy_output_equals_plain_decoding_in_every_mode(pair: tuple[Path, Path], concurrency: int) -> None:
+    target, draft = pair
+    rng = random.Random(concurrency)
+    prompts = [[rng.randrange(4, 24) for _ in range(rng.randrange(2, 40))] for _ in range(concurrency)]
+    params = [SamplingParams(temperature=0, max_tokens=256)] * concurrency
+    ref = generate(make_engine(target, None), prompts, params)
+    for mode in MODES:
+        engine = make_engine(target, draft, mode, max_running=concurrency)
+        col = generate(engine, prompts, params)
+        for i in range(concurrency):
+            assert col.tokens(str(i)) == ref.tokens(str(i)), f"{mode} differs on request {i}"
+            assert len(col.tokens(str(i))) == 256
+        st = engine.stats
+        assert st.spec_rounds > 0 and st.spec_accepted_tokens > 0
+        assert st.spec_accepted_tokens < st.spec_verified_tokens  # random drafts: rejections happen
+
+
+def test_stops_inside_an_accepted_block_cut_exactly_where_plain_decoding_stops(
+        pair: tuple[Path, Path]) -> None:
+    target, draft = pair
+    prompts = [[9, 10, 11], [20, 21], [10, 7, 7, 7]]
+    free = generate(make_engine(target, None), prompts, [SamplingParams(temperature=0, max_tokens=60)] * 3)
+    params = []
+    for i in range(3):
+        toks, text = free.tokens(str(i)), free.text(str(i))
+        params.append(SamplingParams(temperature=0, max_tokens=60, stop_token_ids=(toks[20],),
+                                     stop=(text[len(text) // 3: len(text) // 3 + 2],)))
+    ref = generate(make_engine(target, None), prompts, params)
+    for mode in MODES:
+        col = generate(make_engine(target, draft, mode), prompts, params)
+        for i in range(3):
+            assert col.tokens(str(i)) == ref.tokens(str(i))
+            assert col.text(str(i)) == ref.text(str(i))
+            assert col.final(str(i)).finish_reason == ref.final(str(i)).finish_reason == "stop"
+
+
+def _exact_distribution_of_tokens_2_and_3(engine: LLMEngine, prompt: list[int],
+                                           sp: SamplingParams) -> torch.Tensor:
+    """P(t2, t3) = sum_a P(t1 = a) P(t2 | a) P(t3 | a, t2): the tokens of the first speculative round
+    (t1 comes from the prefill step)."""
+    target = engine.runner.target
+    vocab = target.config.vocab_size
+    s = SamplingTensors.from_params([sp])
+
+    def probs_after(ids: list[int]) -> torch.Tensor:
+        out = target(torch.tensor(ids), torch.arange(len(ids)), DenseCausalAttention(1, len(ids)))
+        return shape_probs(out.logits[-1:].double(), s)[0].double()
+
+    joint = torch.zeros(vocab, vocab, dtype=torch.float64)
+    with torch.no_grad():
+        first = probs_after(prompt)
+        for a in range(vocab):
+            second = probs_after(prompt + [a])
+            for b in range(vocab):
+                joint[b] += first[a] * second[b] * probs_after(prompt + [a, b])
+    return joint.flatten()
+
+
+def _empirical(engine: LLMEngine, prompt: list[int], sp: SamplingParams, n: int, seed0: int) -> torch.Tensor:
+    vocab = engine.runner.target.config.vocab_size
+    col = Collector()
+    for i in range(n):
+        params = SamplingParams(temperature=sp.temperature, top_p=sp.top_p, top_k=sp.top_k,
+                                seed=seed0 + i, max_tokens=4)
+        engine.add_request(f"s{seed0}-{i}", prompt, params, col.sink(str(i)))
+    run_all(engine)
+    counts = torch.zeros(vocab * vocab, dtype=torch.float64)
+    for i in range(n):
+        _, b, c, _ = col.tokens(str(i))
+        counts[b * vocab + c] += 1
+    return counts / n
+
+
+@pytest.mark.parametrize("sp", [SamplingParams(temperature=1.0), SamplingParams(temperature=0.8, top_p=0.8,
+                                                                                 top_k=6)])
+def test_emitted_distribution_equals_target_distribution(small_vocab_pair: tuple[Path, Path],
+                                                         sp: SamplingParams) -> None:
+    target, draft = small_vocab_pair
+    engine = make_engine(target, draft, "fixed", max_running=256)
+    prompt = [5, 3, 9]
+    exact = _exact_distribution_of_tokens_2_and_3(engine, prompt, sp)
+    small = _empirical(engine, prompt, sp, 200, seed0=0)
+    large = _empirical(engine, prompt, sp, 4000, seed0=10_000)
+    assert engine.stats.spec_accepted_tokens > 0
+    assert engine.stats.spec_accepted_tokens < engine.stats.spec_verified_tokens
+    gen = torch.Generator().manual_seed(0)
+    refs = [torch.distributions.Dirichlet(torch.ones(exact.numel(), dtype=torch.float64)).sample()
+            for _ in range(5)]
+    refs += [shape_probs(torch.randn(1, exact.numel(), generator=gen).double() * 2,
+                         SamplingTensors.from_params([SamplingParams()]))[0] for _ in range(5)]
+
+    def tv(a: torch.Tensor, b: torch.Tensor) -> float:
+        return 0.5 * float((a - b).abs().sum())
+
+    assert tv(large, exact) < 0.6 * tv(small, exact)  # converges to the exact distribution ...
+    assert tv(large, exact) < 0.25 * min(tv(large, r) for r in refs)  # ... and to nothing else
+
+
+class _FixedDrafts:
+    """Test drafter policy: propose the target's greedy continuation, optionally all wrong."""
+
+    def __init__(self, engine: LLMEngine, wrong: bool) -> None:
+        self.engine = engine
+        self.wrong = wrong
+
+    def __call__(self, decodes, block, anchors, sampling, generators) -> Drafts:  # noqa: ANN001
+        target, gamma = self.engine.runner.target, self.engine.spec.gamma  # type: ignore[union-attr]
+        vocab = target.config.vocab_size
+        rows = []
+        for req in decodes:
+            ids = list(req.all_ids)
+            for _ in range(gamma):
+                out = target(torch.tensor(ids), torch.arange(len(ids)), DenseCausalAttention(1, len(ids)))
+                ids.append(int(out.logits[-1].argmax()))
+            proposal = ids[-gamma:]
+            rows.append([(t + 1) % vocab for t in proposal] if self.wrong else proposal)
+        return Drafts(torch.tensor(rows), None, torch.full((len(decodes), gamma), 5.0))
+
+
+@pytest.mark.parametrize("wrong", [False, True])
+def test_oracle_and_always_wrong_drafters(pair: tuple[Path, Path], wrong: bool) -> None:
+    target, draft = pair
+    prompts = [[7, 8, 9], [15, 16]]
+    params = [SamplingParams(temperature=0, max_tokens=41)] * 2
+    ref = generate(make_engine(target, None), prompts, params)
+    engine = make_engine(target, draft, "fixed")
+    engine.spec.sample_drafts = _FixedDrafts(engine, wrong)  # type: ignore[union-attr,method-assign]
+    col = generate(engine, prompts, params)
+    for i in range(2):
+        assert col.tokens(str(i)) == ref.tokens(str(i))
+        spec = col.final(str(i)).spec
+        gamma = engine.spec.gamma  # type: ignore[union-attr]
+        if wrong:
+            assert spec.accepted_tokens == 0 and spec.mean_acceptance_length == 1.0
+        else:
+            # 41 tokens: the first comes from prefill, then 8 full rounds of γ + 1 = 5 tokens.
+            assert spec.rounds == 8 and spec.accepted_tokens == 8 * gamma
+            assert spec.mean_acceptance_length == gamma + 1
+
+
+def test_rollback_keeps_kv_accounting_exact_over_thousands_of_rounds(pair: tuple[Path, Path]) -> None:
+    target, draft = pair
+    engine = make_engine(target, draft, "dspark", page_size=4, num_pages=120, max_running=12,
+                         max_model_len=160, prefill_chunk=24, max_batch_tokens=96)
+    alloc = engine.runner.allocator
+    start = alloc.free_pages
+    rng = random.Random(3)
+    col = Collector()
+    for i in range(120):
+        prompt = [rng.randrange(4, 24) for _ in range(rng.randrange(1, 50))]
+        sp = SamplingParams(temperature=rng.choice([0.0, 1.0]), seed=i, max_tokens=rng.randrange(1, 100))
+        engine.add_request(str(i), prompt, sp, col.sink(str(i)))
+        for _ in range(rng.randrange(0, 4)):
+            engine.step()
+        if rng.random() < 0.15:
+            engine.abort(str(rng.randrange(0, i + 1)))
+    run_all(engine)
+    assert engine.stats.spec_rounds > 1000
+    assert engine.stats.spec_accepted_tokens < engine.stats.spec_verified_tokens
+    assert alloc.free_pages == start
+    assert all(col.final(str(i)).finished for i in range(120))
+    assert {col.final(str(i)).finish_reason for i in range(120)} <= {"length", "abort"}
+
+
+def test_spec_statistics_add_up(pair: tuple[Path, Path]) -> None:
+    target, draft = pair
+    engine = make_engine(target, draft, "fixed")
+    col = generate(engine, [[5, 6, 7]], [SamplingParams(temperature=0, max_tokens=50)])
+    spec = col.final("0").spec
+    gamma = engine.spec.gamma  # type: ignore[union-attr]
+    assert spec.draft_tokens == spec.rounds * gamma
+    assert spec.accepted_tokens <= spec.verified_tokens <= spec.draft_tokens
+    assert 1 + spec.emitted_tokens == 50  # first token from prefill, the rest from rounds
+    assert spec.emitted_tokens == spec.accepted_tokens + spec.rounds  # one target token per round
