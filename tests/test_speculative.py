@@ -7,6 +7,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from test_engine import Collector, run_all
 
 from dspark_server.config import EngineConfig, SpeculativeConfig
 from dspark_server.engine.engine import LLMEngine
@@ -15,7 +16,6 @@ from dspark_server.engine.sampling import SamplingTensors, shape_probs
 from dspark_server.engine.speculative import Drafts
 from dspark_server.models.attention import DenseCausalAttention
 from dspark_server.testing.tiny import build_tiny_drafter, build_tiny_model
-from test_engine import Collector, run_all
 
 MODES = ("fixed", "threshold", "dspark")
 
