@@ -7,8 +7,12 @@ import logging
 import os
 import sys
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from dspark_server.config import SPEC_MODES, EngineConfig, ServerConfig, SpeculativeConfig
+
+if TYPE_CHECKING:
+    from dspark_server.offline import GenerateConfig
 
 
 def _engine_args(p: argparse.ArgumentParser) -> None:
@@ -36,7 +40,7 @@ def _engine_config(a: argparse.Namespace) -> EngineConfig:
     from dspark_server.assets import default_draft, default_target
 
     model = a.model or default_target()
-    draft = a.draft if a.draft else (default_draft() if a.model is None else None)
+    draft = a.draft if a.draft else (default_draft(getattr(a, "variant", None)) if a.model is None else None)
     mode = a.spec_mode or ("dspark" if draft else "off")
     if mode != "off" and not draft:
         raise SystemExit(f"error: --spec-mode {mode} needs a drafter (--draft DIR)")
@@ -64,13 +68,56 @@ def cmd_serve(a: argparse.Namespace) -> None:
 
 def cmd_generate(a: argparse.Namespace) -> None:
     from dspark_server.engine.engine import LLMEngine
-    from dspark_server.offline import GenerateConfig, generate, write_jsonl
+    from dspark_server.offline import generate, write_jsonl
 
     engine = LLMEngine(_engine_config(a))
-    gen = GenerateConfig(prompts=a.prompts, limit=a.limit, max_tokens=a.max_tokens,
-                         temperature=a.temperature, top_p=a.top_p, top_k=a.top_k, seed=a.seed,
-                         concurrency=a.concurrency, progress=not a.quiet)
-    write_jsonl(generate(engine, gen), sys.stdout)
+    write_jsonl(generate(engine, _generate_config(a)), sys.stdout)
+
+
+def _generate_config(a: argparse.Namespace) -> GenerateConfig:
+    from dspark_server.offline import GenerateConfig
+
+    return GenerateConfig(prompts=a.prompts, limit=a.limit, max_tokens=a.max_tokens,
+                          temperature=a.temperature, top_p=a.top_p, top_k=a.top_k, seed=a.seed,
+                          concurrency=a.concurrency, progress=not a.quiet)
+
+
+def cmd_profile(a: argparse.Namespace) -> None:
+    from dspark_server.jobs.profile import ProfileConfig, run_profile
+
+    table, out = run_profile(ProfileConfig(engine=_engine_config(a), out=a.out,
+                                           max_batch_tokens=a.max_batch_tokens, repeats=a.repeats))
+    top = table.max_batch_tokens
+    print(f"wrote {out} ({len(table.sample_batch_tokens)} probes, SPS(1) = {table.lookup(1):.1f}, "
+          f"SPS({top}) = {table.lookup(top):.1f})")
+
+
+def cmd_calibrate(a: argparse.Namespace) -> None:
+    from dspark_server.jobs.calibrate import CalibrateConfig, run_calibration
+
+    run_calibration(CalibrateConfig(engine=_engine_config(a), generate=_generate_config(a), out=a.out))
+
+
+def cmd_eval_acceptance(a: argparse.Namespace) -> None:
+    import json
+
+    from dspark_server.jobs.acceptance import AcceptanceConfig, run_acceptance
+
+    result = run_acceptance(AcceptanceConfig(engine=_engine_config(a), generate=_generate_config(a),
+                                             out_dir=a.out))
+    print(json.dumps(result, indent=2))
+
+
+def _generation_args(p: argparse.ArgumentParser, max_tokens: int = 128, concurrency: int = 1) -> None:
+    p.add_argument("--prompts", required=True, help='JSONL with {"turns": [...]} per line')
+    p.add_argument("--limit", type=int, default=None)
+    p.add_argument("--max-tokens", type=int, default=max_tokens)
+    p.add_argument("--temperature", type=float, default=0.0)
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--top-k", type=int, default=0)
+    p.add_argument("--seed", type=int, default=None)
+    p.add_argument("--concurrency", type=int, default=concurrency)
+    p.add_argument("--quiet", action="store_true", help="no progress bar")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -90,16 +137,30 @@ def build_parser() -> argparse.ArgumentParser:
 
     gen = sub.add_parser("generate", help="offline batch generation from a prompts JSONL file")
     _engine_args(gen)
-    gen.add_argument("--prompts", required=True, help='JSONL with {"turns": [...]} per line')
-    gen.add_argument("--limit", type=int, default=None)
-    gen.add_argument("--max-tokens", type=int, default=128)
-    gen.add_argument("--temperature", type=float, default=0.0)
-    gen.add_argument("--top-p", type=float, default=1.0)
-    gen.add_argument("--top-k", type=int, default=0)
-    gen.add_argument("--seed", type=int, default=None)
-    gen.add_argument("--concurrency", type=int, default=1)
-    gen.add_argument("--quiet", action="store_true", help="no progress bar")
+    _generation_args(gen)
     gen.set_defaults(func=cmd_generate)
+
+    prof = sub.add_parser("profile", help="measure the SPS cost table of the target on this machine")
+    _engine_args(prof)
+    prof.add_argument("--out", default=None, help="table JSON (default: profiles/MODEL__CPU__Nt.json)")
+    prof.add_argument("--repeats", type=int, default=7)
+    prof.set_defaults(func=cmd_profile, spec_mode="off")
+
+    cal = sub.add_parser("calibrate", help="fit STS confidence temperatures from full-γ rounds")
+    _engine_args(cal)
+    _generation_args(cal, max_tokens=96, concurrency=8)
+    cal.add_argument("--out", required=True, help="calibration JSON (a reliability PNG goes beside it)")
+    cal.set_defaults(func=cmd_calibrate)
+
+    ev = sub.add_parser("eval", help="offline evaluations")
+    ev_sub = ev.add_subparsers(dest="evaluation", required=True)
+    acc = ev_sub.add_parser("acceptance", help="τ and per-position acceptance, one request at a time")
+    _engine_args(acc)
+    _generation_args(acc)
+    acc.add_argument("--variant", choices=("markov", "rnn", "none"), default=None,
+                     help="bundled demo drafter variant (default: the shipped drafter)")
+    acc.add_argument("--out", default=None, help="directory for acceptance.json and acceptance.png")
+    acc.set_defaults(func=cmd_eval_acceptance)
     return parser
 
 

@@ -18,5 +18,10 @@ def default_target() -> str:
     return str(DEMO_TARGET)
 
 
-def default_draft() -> str | None:
-    return str(DEMO_DRAFT) if (DEMO_DRAFT / "config.json").is_file() else None
+def default_draft(variant: str | None = None) -> str | None:
+    """The shipped drafter, or an ablation variant (``markov``, ``rnn``, ``none``) built beside it."""
+    path = DEMO_DRAFT if variant in (None, "markov") else DEMO_DIR / f"draft_{variant}"
+    if variant not in (None, "markov") and not (path / "config.json").is_file():
+        raise FileNotFoundError(f"no '{variant}' demo drafter at {path}; train it with "
+                                f"`dspark train draft --head {variant} --out {path}`")
+    return str(path) if (path / "config.json").is_file() else None

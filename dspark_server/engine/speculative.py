@@ -9,7 +9,7 @@ of x0..x_acc, and truncates the rest, which restores both invariants for the new
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -35,6 +35,16 @@ class Drafts:
     confidence_logits: torch.Tensor | None  # [R, γ] raw, before STS
 
 
+@dataclass(frozen=True)
+class RoundRecord:
+    """One step's speculative rounds, as calibration and evaluation need them."""
+
+    requests: list[Request]
+    confidence_logits: torch.Tensor | None  # [R, γ] raw, before STS
+    verify_lens: list[int]
+    accepted: list[int]
+
+
 class SpeculativeDecoder:
     def __init__(self, drafter: DSparkDrafter, pool: KVPool, planner: VerifyPlanner,
                  calibration: StsCalibration, live_sps: LiveSpsTable | None,
@@ -51,6 +61,8 @@ class SpeculativeDecoder:
         self.drift = drift
         self.gamma = gamma
         self.last_verify_lens: list[int] = []
+        # Called once per step with every decoding request's round (calibration, evaluation).
+        self.round_observers: list[Callable[[RoundRecord], None]] = []
 
     @torch.inference_mode()
     def step(self, engine: LLMEngine, decodes: list[Request], prefills: list[ScheduledChunk]) -> None:
@@ -110,6 +122,10 @@ class SpeculativeDecoder:
             outcome = verify(drafts.tokens, drafts.probs, target_probs, lens, generators)
         if survival is not None:
             self.drift.record(survival, torch.tensor(outcome.accepted), torch.tensor(lens))
+        if self.round_observers and decodes:
+            record = RoundRecord(list(decodes), drafts.confidence_logits, lens, outcome.accepted)
+            for observe in self.round_observers:
+                observe(record)
 
         # 5. Commit: keep x0..x_acc in both caches, emit accepted drafts + corrected/bonus token.
         for i, req in enumerate(decodes):
