@@ -61,9 +61,8 @@ def _position_major_survival(confidences: torch.Tensor, gamma: int | None = None
         raise ValueError(f"confidences must be [R, gamma], got shape {tuple(confidences.shape)}")
     if gamma is not None and confidences.shape[1] != gamma:
         raise ValueError(f"confidences have {confidences.shape[1]} positions, planner gamma is {gamma}")
-    c = confidences.detach().to("cpu", torch.float32).t().contiguous()
-    c = torch.nan_to_num_(c.clamp_(0.0, 1.0), nan=0.0)
-    return torch.cumprod(c, dim=0).numpy()
+    c = torch.nan_to_num_(confidences.detach().to("cpu", torch.float32).clamp(0.0, 1.0), nan=0.0)
+    return np.ascontiguousarray(torch.cumprod(c, dim=1).numpy().T)
 
 
 def prefix_survival(confidences: torch.Tensor, gamma: int | None = None) -> torch.Tensor:
@@ -80,7 +79,8 @@ def _ranked_candidates(
 ) -> tuple[np.ndarray, np.ndarray]:
     """All candidates in descending a(r, j), ties by j then r (SGLang's order), so each
     request's candidates come in prefix order. Takes [gamma, R] arrays; returns
-    (values float64, flat indices j * R + r). Invalid candidates sort last as -inf.
+    (values float64, flat indices j * R + r). Invalid candidates (``valid_pm`` False) sort
+    after every valid one; callers must skip them.
 
     One int64 sort instead of a stable arg-sort (several times faster on CPU): for floats
     >= 0 the bit pattern orders like the value, so (~bits << 32 | j * R + r) sorts
@@ -88,13 +88,11 @@ def _ranked_candidates(
     """
     bits = surv_pm.reshape(-1).view(np.int32).astype(np.int64) & 0x7FFFFFFF
     if valid_pm is not None:
-        bits[~valid_pm.reshape(-1)] = -1
+        # Valid values are >= eps > 0 whenever anything is invalid, so bits 0 sorts last.
+        bits[~valid_pm.reshape(-1)] = 0
     keys = np.sort(((0x7FFFFFFF - bits) << 32) | np.arange(bits.size, dtype=np.int64))
     order = keys & 0xFFFFFFFF
-    value_bits = (0x7FFFFFFF - (keys >> 32)).astype(np.int32)
-    values = value_bits.view(np.float32).astype(np.float64)
-    if valid_pm is not None:
-        values[value_bits < 0] = -math.inf
+    values = (0x7FFFFFFF - (keys >> 32)).astype(np.int32).view(np.float32).astype(np.float64)
     return values, order
 
 
@@ -237,8 +235,10 @@ def _allocate_from_pm(surv_pm: np.ndarray, budget: int, survival_eps: float) -> 
     num_requests = surv_pm.shape[1]
     if budget <= 0 or surv_pm.size == 0:
         return np.zeros(num_requests, dtype=np.int64)
-    values, order = _ranked_candidates(surv_pm, surv_pm >= survival_eps)
-    chosen = order[:budget][values[:budget] > -math.inf]
+    valid = surv_pm >= survival_eps
+    _, order = _ranked_candidates(surv_pm, valid)
+    chosen = order[:budget]
+    chosen = chosen[valid.reshape(-1)[chosen]]
     return np.bincount(chosen % num_requests, minlength=num_requests).astype(np.int64)
 
 
@@ -270,17 +270,23 @@ def allocate_budget(
 
 
 class DSparkBudgetPlanner(VerifyPlanner):
-    """Production variant: the budget comes from ``budget_confidences`` (confidences from
+    """Production variant: the budget K comes from ``budget_confidences`` (confidences from
     rounds ago, row-aligned with the current requests; rows of requests without history
-    should be all 1.0, as SGLang does), then the budget is spent top-k on the current
-    confidences. Without ``budget_confidences`` the current ones set the budget."""
+    should be all 1.0, as SGLang does), then K is spent top-k on the current confidences.
+
+    ``budget_confidences`` is required: a budget taken from the current confidences with no
+    early stop lets a draft's value decide whether it is verified (the appendix-A case), so
+    it is not lossless. Offline analysis may pass the current confidences explicitly.
+    """
 
     def plan_detailed(
         self, confidences: torch.Tensor, *, budget_confidences: torch.Tensor | None = None
     ) -> PlanResult:
         table = _require_table(self)
+        if budget_confidences is None:
+            raise ValueError("dspark_budget needs budget_confidences (stale, from earlier rounds)")
         surv = _position_major_survival(confidences, self._config.gamma)
-        history = surv if budget_confidences is None else _position_major_survival(budget_confidences)
+        history = _position_major_survival(budget_confidences)
         if history.shape[1] != surv.shape[1]:
             raise ValueError(f"budget_confidences has {history.shape[1]} rows, confidences {surv.shape[1]}")
         budget, _ = _budget_from_pm(history, table, self._config.survival_eps)

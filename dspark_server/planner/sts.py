@@ -28,7 +28,9 @@ _GRID_CHUNK_ELEMENTS = 2_000_000
 
 
 def default_temperature_grid() -> torch.Tensor:
-    return torch.logspace(math.log10(0.1), math.log10(10.0), steps=41, dtype=torch.float64)
+    """SGLang's grid: 41 log-spaced values over [0.1, 10], generated in float32 (so fitted
+    temperatures equal SGLang's bit for bit), returned as float64."""
+    return torch.logspace(math.log10(0.1), math.log10(10.0), steps=41, dtype=torch.float32).to(torch.float64)
 
 
 def _batched_ece(probs: torch.Tensor, targets: torch.Tensor, num_bins: int) -> torch.Tensor:
