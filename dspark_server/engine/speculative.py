@@ -103,7 +103,7 @@ class SpeculativeDecoder:
         tail = [ell + 1 for ell in lens] + [1 if c.completes else 0 for c in prefills]
         result = runner.forward(chunks, tail, capture_layers=self.drafter.capture_layers)
         engine.stats.record_batch(result.batch.num_tokens, result.seconds)
-        if self.live_sps is not None:
+        if self.live_sps is not None and not prefills:  # prefill chunks would skew the curve
             self.live_sps.record(result.batch.num_tokens, result.seconds)
         logits, hidden = result.output.logits, result.output.hidden
         assert hidden is not None
