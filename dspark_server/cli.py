@@ -54,16 +54,25 @@ def _engine_config(a: argparse.Namespace) -> EngineConfig:
 
 
 def cmd_serve(a: argparse.Namespace) -> None:
-    from dspark_server.engine.engine import LLMEngine
-    from dspark_server.engine.loop import NativeBackend
     from dspark_server.server.serve import run_server
 
+    if a.max_running < 1 or a.max_queued < 0 or a.max_model_len < 2 or a.max_body_bytes < 1024:
+        raise SystemExit("error: need --max-running >= 1, --max-queued >= 0, --max-model-len >= 2 "
+                         "and --max-body-bytes >= 1024")
     cfg = _engine_config(a)
     server_cfg = ServerConfig(host=a.host, port=a.port,
                               api_key=a.api_key or os.environ.get("DSPARK_API_KEY") or None,
-                              served_model_name=a.served_model_name, drain_timeout_s=a.drain_timeout)
+                              served_model_name=a.served_model_name, drain_timeout_s=a.drain_timeout,
+                              max_body_bytes=a.max_body_bytes)
     name = a.served_model_name or Path(cfg.model_dir).name
-    run_server(NativeBackend(LLMEngine(cfg)), server_cfg, name)
+
+    def make_backend():  # runs on a loader thread while the port is already open (/ready: 503)
+        from dspark_server.engine.engine import LLMEngine
+        from dspark_server.engine.loop import NativeBackend
+
+        return NativeBackend(LLMEngine(cfg))
+
+    run_server(make_backend, server_cfg, name)
 
 
 def cmd_generate(a: argparse.Namespace) -> None:
@@ -108,6 +117,16 @@ def cmd_eval_acceptance(a: argparse.Namespace) -> None:
     print(json.dumps(result, indent=2))
 
 
+TRAIN_MODULES = {"target": "target_train", "draft": "draft_train", "demo": "demo"}
+
+
+def cmd_train(a: argparse.Namespace) -> None:
+    import importlib
+
+    code = importlib.import_module(f"dspark_server.training.{TRAIN_MODULES[a.what]}").main(a.args)
+    raise SystemExit(code or 0)
+
+
 def _generation_args(p: argparse.ArgumentParser, max_tokens: int = 128, concurrency: int = 1) -> None:
     p.add_argument("--prompts", required=True, help='JSONL with {"turns": [...]} per line')
     p.add_argument("--limit", type=int, default=None)
@@ -133,6 +152,8 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--served-model-name", default=None)
     serve.add_argument("--drain-timeout", type=float, default=30.0,
                        help="seconds in-flight requests get to finish after SIGTERM")
+    serve.add_argument("--max-body-bytes", type=int, default=ServerConfig.max_body_bytes,
+                       help="larger request bodies get 413")
     serve.set_defaults(func=cmd_serve)
 
     gen = sub.add_parser("generate", help="offline batch generation from a prompts JSONL file")
@@ -161,11 +182,24 @@ def build_parser() -> argparse.ArgumentParser:
                      help="bundled demo drafter variant (default: the shipped drafter)")
     acc.add_argument("--out", default=None, help="directory for acceptance.json and acceptance.png")
     acc.set_defaults(func=cmd_eval_acceptance)
+
+    train = sub.add_parser("train", help="train the demo models (see docs/models.md)")
+    train_sub = train.add_subparsers(dest="what", required=True)
+    for what, doc in (("target", "the demo target (corpus, tokenizer and Qwen3 model)"),
+                      ("draft", "a DSpark drafter against a frozen target (self-distillation)"),
+                      ("demo", "the whole demo pair, end to end")):
+        t = train_sub.add_parser(what, help=doc, add_help=False)
+        t.add_argument("args", nargs=argparse.REMAINDER, help="options of the training module")
+        t.set_defaults(func=cmd_train)
     return parser
 
 
 def main(argv: list[str] | None = None) -> None:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    argv = sys.argv[1:] if argv is None else argv
+    if len(argv) >= 2 and argv[0] == "train" and argv[1] in TRAIN_MODULES:
+        # The training modules own their flags (`dspark train draft --help` shows them).
+        cmd_train(argparse.Namespace(what=argv[1], args=argv[2:]))
     args = build_parser().parse_args(argv)
     args.func(args)
 

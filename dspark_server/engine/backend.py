@@ -3,11 +3,54 @@
 from __future__ import annotations
 
 from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
 from typing import Protocol
 
 from dspark_server.engine.request import RequestOutput, SamplingParams
 from dspark_server.engine.stats import EngineStats
 from dspark_server.models.tokenizer import Tokenizer
+from dspark_server.planner import LiveSpsPoint, PositionDrift
+
+
+class QueueFullError(Exception):
+    """The backend holds as many requests as it may (running + queued); retry later."""
+
+
+@dataclass(frozen=True)
+class SpecSnapshot:
+    """The speculative decoder's configuration and live planner inputs, for metrics."""
+
+    mode: str  # fixed | threshold | dspark
+    gamma: int
+    sps_curve: list[LiveSpsPoint] = field(default_factory=list)  # empty: no SPS table (not dspark)
+    drift: list[PositionDrift] = field(default_factory=list)
+
+
+@dataclass(frozen=True)
+class LoadSnapshot:
+    """Live load figures, read at scrape time (not at the end of the last step)."""
+
+    running: int
+    waiting: int
+    admitted: int  # requests accepted by the backend and not finished yet
+    max_running: int
+    max_queued: int
+    kv_total_pages: int
+    kv_free_pages: int
+
+
+class RequestStream(Protocol):
+    """Deltas of one request. ``close()`` aborts it if unfinished (idempotent)."""
+
+    request_id: str
+
+    def __aiter__(self) -> AsyncIterator[RequestOutput]: ...
+
+    async def __anext__(self) -> RequestOutput: ...
+
+    async def aclose(self) -> None: ...
+
+    def close(self) -> None: ...
 
 
 class Backend(Protocol):
@@ -22,13 +65,19 @@ class Backend(Protocol):
         """Raise ``InvalidRequestError`` for requests that can never be served."""
         ...
 
-    def generate(self, request_id: str, prompt_ids: list[int],
-                 params: SamplingParams) -> AsyncIterator[RequestOutput]:
-        """Stream deltas; leaving the iterator early aborts the request."""
+    def generate(self, request_id: str, prompt_ids: list[int], params: SamplingParams) -> RequestStream:
+        """Admit the request now (raise ``QueueFullError`` when full, ``InvalidRequestError``
+        when invalid) and return its delta stream; closing the stream early aborts it."""
         ...
 
     def can_accept(self) -> bool:
-        """False when the waiting queue is full (the server answers 429)."""
+        """False when another request would be refused with ``QueueFullError``."""
+        ...
+
+    def load(self) -> LoadSnapshot: ...
+
+    def spec_snapshot(self) -> SpecSnapshot | None:
+        """None when speculative decoding is off."""
         ...
 
     def start(self) -> None: ...

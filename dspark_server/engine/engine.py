@@ -114,6 +114,7 @@ class LLMEngine:
     def step(self) -> None:
         self.process_inbox()
         sched = self.scheduler.schedule()
+        self.stats.record_preemptions(len(sched.preempted))
         if sched.empty:
             self._update_gauges()
             return

@@ -21,6 +21,10 @@ class InvalidRequestError(ValueError):
         self.param = param
 
 
+# Temperatures below this sample greedily: dividing logits by a denormal would overflow to inf.
+GREEDY_BELOW = 1e-5
+
+
 @dataclass(frozen=True)
 class SamplingParams:
     temperature: float = 1.0  # 0 = greedy
@@ -48,7 +52,7 @@ class SamplingParams:
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0.0
+        return self.temperature < GREEDY_BELOW
 
 
 class Status(Enum):

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 import torch
 
-from dspark_server.engine.request import SamplingParams
+from dspark_server.engine.request import GREEDY_BELOW, SamplingParams
 
 
 @dataclass(frozen=True)
@@ -41,14 +41,18 @@ class SamplingTensors:
         )
 
     @property
+    def greedy(self) -> torch.Tensor:
+        return self.temperature < GREEDY_BELOW
+
+    @property
     def all_greedy(self) -> bool:
-        return bool((self.temperature == 0).all())
+        return bool(self.greedy.all())
 
 
 def shape_probs(logits: torch.Tensor, s: SamplingTensors) -> torch.Tensor:
     """Distributions [N, V] that sampling draws from, after temperature, top-k and top-p."""
     logits = logits.float()
-    greedy = s.temperature == 0
+    greedy = s.greedy
     out = torch.empty_like(logits)
     if greedy.any():
         g_logits = logits[greedy]
@@ -78,6 +82,7 @@ def _mask_top_p(probs: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
     sorted_p, order = probs.sort(dim=-1, descending=True)
     mass_before = sorted_p.cumsum(dim=-1) - sorted_p
     drop_sorted = mass_before >= top_p[:, None]  # keeps the smallest prefix reaching top_p
+    drop_sorted[:, 0] = False  # and always the most likely token, whatever top_p rounds to
     drop = torch.zeros_like(drop_sorted).scatter(1, order, drop_sorted)
     kept = probs.masked_fill(drop, 0.0)
     return kept / kept.sum(dim=-1, keepdim=True)
@@ -96,7 +101,7 @@ def sample_from_logits(logits: torch.Tensor, s: SamplingTensors,
     if s.all_greedy:
         return logits.argmax(dim=-1)
     tokens = sample(shape_probs(logits, s), generators)
-    greedy = s.temperature == 0
+    greedy = s.greedy
     if greedy.any():
         tokens[greedy] = logits[greedy].argmax(dim=-1)
     return tokens

@@ -2,7 +2,17 @@
 
 The engine fills plain numbers here; ``server/metrics.py`` turns them into Prometheus families.
 Observation hooks let the metrics layer see each event (a histogram needs every sample) without
-the engine importing anything from the server.
+the engine importing anything from the server. Hooks run on the engine thread; readers on other
+threads only read ints, floats and copies of lists, so no lock is needed.
+
+Observation names (the ``name`` passed to observers) and their units:
+  step_seconds, forward_seconds, batch_tokens            one per engine step / target forward
+  ttft_seconds, queue_seconds                            one per request, at its first token
+  itl_seconds                                            one per token delivery after the first
+  e2e_seconds, tpot_seconds, request_prompt_tokens,
+  request_generation_tokens, request_mean_verify_len     one per finished request
+  acceptance_length                                      one per speculative round per request
+  verify_tokens_per_step                                 one per step with speculative decodes
 """
 
 from __future__ import annotations
@@ -28,6 +38,7 @@ class EngineStats:
     prompt_tokens: int = 0
     generation_tokens: int = 0
     finished_requests: int = 0
+    finished_by_reason: dict[str, int] = field(default_factory=dict)
     preemptions: int = 0
     spec_rounds: int = 0
     spec_draft_tokens: int = 0
@@ -36,9 +47,16 @@ class EngineStats:
     spec_emitted_tokens: int = 0
     accepted_per_position: list[int] = field(default_factory=list)
     verified_per_position: list[int] = field(default_factory=list)
+    # Verification budget: draft tokens admitted for verification in the latest step that had
+    # speculative decodes (sum of ℓ over its requests; 0 when the planner verified none), and that
+    # step's mean ℓ per request.
+    last_verify_tokens: int = 0
+    last_mean_verify_len: float = 0.0
     last_step_seconds: float = 0.0
     started_at: float = field(default_factory=time.monotonic)
     observers: list[Observer] = field(default_factory=list)
+    _step_verify_tokens: int = 0
+    _step_spec_requests: int = 0
 
     def observe(self, name: str, value: float) -> None:
         for obs in self.observers:
@@ -48,10 +66,20 @@ class EngineStats:
         self.steps += 1
         self.last_step_seconds = seconds
         self.observe("step_seconds", seconds)
+        if self._step_spec_requests:
+            self.last_verify_tokens = self._step_verify_tokens
+            self.last_mean_verify_len = self._step_verify_tokens / self._step_spec_requests
+            self.observe("verify_tokens_per_step", self._step_verify_tokens)
+            self._step_verify_tokens = 0
+            self._step_spec_requests = 0
 
     def record_batch(self, batch_tokens: int, forward_seconds: float) -> None:
         self.observe("batch_tokens", batch_tokens)
         self.observe("forward_seconds", forward_seconds)
+
+    def record_preemptions(self, count: int) -> None:
+        """Requests preempted (cache dropped, requeued for recompute) in one step."""
+        self.preemptions += count
 
     def record_first_token(self, req: Request) -> None:
         if req.first_token_time is not None:
@@ -59,12 +87,24 @@ class EngineStats:
         if req.first_scheduled_time is not None:
             self.observe("queue_seconds", req.first_scheduled_time - req.arrival_time)
 
+    def record_inter_token(self, seconds: float) -> None:
+        """Time between two successive token deliveries of one request (a speculative round
+        that emits several tokens at once is one delivery)."""
+        self.observe("itl_seconds", seconds)
+
     def record_finish(self, req: Request) -> None:
         self.finished_requests += 1
-        self.observe("e2e_seconds", time.monotonic() - req.arrival_time)
+        reason = req.finish_reason or "unknown"
+        self.finished_by_reason[reason] = self.finished_by_reason.get(reason, 0) + 1
+        now = time.monotonic()
+        self.observe("e2e_seconds", now - req.arrival_time)
         n = len(req.output_ids)
         if n > 1 and req.first_token_time is not None:
-            self.observe("tpot_seconds", (time.monotonic() - req.first_token_time) / (n - 1))
+            self.observe("tpot_seconds", (now - req.first_token_time) / (n - 1))
+        self.observe("request_prompt_tokens", len(req.prompt_ids))
+        self.observe("request_generation_tokens", n)
+        if req.spec.rounds:
+            self.observe("request_mean_verify_len", req.spec.verified_tokens / req.spec.rounds)
 
     def record_spec_round(self, drafted: int, verified: int, accepted: int, emitted: int) -> None:
         self.spec_rounds += 1
@@ -72,6 +112,8 @@ class EngineStats:
         self.spec_verified_tokens += verified
         self.spec_accepted_tokens += accepted
         self.spec_emitted_tokens += emitted
+        self._step_verify_tokens += verified
+        self._step_spec_requests += 1
         if verified > len(self.verified_per_position):
             grow = verified - len(self.verified_per_position)
             self.verified_per_position.extend([0] * grow)

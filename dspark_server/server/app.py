@@ -1,127 +1,368 @@
-"""FastAPI routes: OpenAI-compatible completions, health/readiness, metrics."""
+"""FastAPI routes: OpenAI-compatible completions, health/readiness, metrics, and the guard
+(auth, body limit, request counting, drain bookkeeping) in front of them.
+
+Every error a client can cause is a 4xx with the OpenAI body ``{"error": {message, type, param,
+code}}``; a 500 means a bug in this server. A client that disconnects (streaming or not) aborts its
+request, and the engine frees its KV at the start of its next step.
+"""
 
 from __future__ import annotations
 
 import asyncio
+import hmac
 import json
 import logging
-from collections.abc import AsyncIterator, Awaitable, Callable
-from dataclasses import dataclass, field
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass
 from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
+from fastapi.openapi.utils import get_openapi
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from starlette.datastructures import Headers
+from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from dspark_server.config import ServerConfig
-from dspark_server.engine.backend import Backend
+from dspark_server.engine.backend import Backend, QueueFullError, RequestStream
 from dspark_server.engine.request import InvalidRequestError, RequestOutput, SamplingParams
 from dspark_server.server.metrics import Metrics
 from dspark_server.server.protocol import (
     APIError,
     ChatCompletionRequest,
+    ChatCompletionResponse,
     CompletionRequest,
+    CompletionResponse,
     ErrorResponse,
+    HealthResponse,
     ModelCard,
     ModelList,
+    ReadyResponse,
     new_id,
 )
 from dspark_server.server.responses import ChatFormatter, CompletionFormatter, Formatter
 
 log = logging.getLogger(__name__)
 
-ERROR_RESPONSES: dict[int | str, dict[str, Any]] = {
-    code: {"model": ErrorResponse} for code in (400, 401, 404, 413, 429, 503)
+RETRY_AFTER_QUEUE_FULL_S = 1
+RETRY_AFTER_UNAVAILABLE_S = 5
+MIN_TEMPERATURE = 1e-5
+MIN_TOP_P = 1e-6
+_LARGE_TEXT_CHARS = 20_000  # tokenize longer inputs off the event loop
+
+_RETRY_AFTER_HEADER = {"Retry-After": {"description": "seconds to wait before retrying",
+                                       "schema": {"type": "string"}}}
+
+
+def _error_responses(*codes: int) -> dict[int | str, dict[str, Any]]:
+    out: dict[int | str, dict[str, Any]] = {}
+    for code in codes:
+        entry: dict[str, Any] = {"model": ErrorResponse, "description": _ERROR_DESCRIPTIONS[code]}
+        if code in (429, 503):
+            entry["headers"] = _RETRY_AFTER_HEADER
+        out[code] = entry
+    return out
+
+
+_ERROR_DESCRIPTIONS = {
+    400: "invalid request (malformed JSON, wrong types, values out of range, over the context)",
+    401: "missing or wrong API key",
+    404: "unknown model",
+    413: "request body over the size limit",
+    429: "the server holds as many requests as it may; retry after Retry-After seconds",
+    503: "the server is loading or draining",
 }
 
 
 @dataclass
 class ServerState:
-    backend: Backend
     cfg: ServerConfig
     model_name: str
     metrics: Metrics
+    backend: Backend | None = None
     draining: bool = False
-    in_flight: set[str] = field(default_factory=set)
+    in_flight: int = 0  # /v1/* requests being handled (drain waits for zero)
+
+    @property
+    def ready(self) -> bool:
+        return self.backend is not None and self.backend.ready and not self.draining
+
+    def attach(self, backend: Backend) -> None:
+        self.backend = backend
+        self.metrics.attach(backend)
 
 
-def create_app(backend: Backend, cfg: ServerConfig, model_name: str) -> FastAPI:
+# ---- the guard: auth, body limit, request counting -------------------------------------------
+
+
+class Guard:
+    """Pure ASGI middleware (it must not wrap ``receive`` in a way that hides disconnects).
+
+    On ``/v1/*``: Bearer auth (401), body size limit (413, also for chunked bodies without
+    Content-Length: the body is read here, up to the limit, and replayed to the app). Counts every
+    response by endpoint and status, and keeps ``state.in_flight`` for draining.
+    """
+
+    def __init__(self, app: ASGIApp, state: ServerState, endpoints: Callable[[], set[str]]) -> None:
+        self.app = app
+        self.state = state
+        self._endpoints = endpoints
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        path: str = scope["path"]
+        endpoint = path if path in self._endpoints() else "other"
+        status = 0
+
+        async def counting_send(message: Message) -> None:
+            nonlocal status
+            if message["type"] == "http.response.start":
+                status = message["status"]
+            await send(message)
+
+        is_api = path.startswith("/v1/")
+        if is_api:
+            self.state.in_flight += 1
+        try:
+            if is_api:
+                error = self._check_auth(scope)
+                if error is None and scope["method"] in ("POST", "PUT", "PATCH"):
+                    error, body_receive = await self._limit_body(scope, receive)
+                    if body_receive is None:  # the client left while sending its body
+                        return
+                    receive = body_receive
+                if error is not None:
+                    await _send_error(counting_send, error)
+                    return
+            await self.app(scope, receive, counting_send)
+        except Exception:
+            status = status or 500
+            raise
+        finally:
+            if is_api:
+                self.state.in_flight -= 1
+            if status:
+                self.state.metrics.count_request(endpoint, status)
+
+    def _check_auth(self, scope: Scope) -> APIError | None:
+        key = self.state.cfg.api_key
+        if not key:
+            return None
+        given = Headers(scope=scope).get("authorization", "")
+        if hmac.compare_digest(given.encode("utf-8", "replace"), f"Bearer {key}".encode()):
+            return None
+        return APIError(401, "Invalid or missing API key (send 'Authorization: Bearer <key>').",
+                        "authentication_error", code="invalid_api_key",
+                        headers={"WWW-Authenticate": "Bearer"})
+
+    async def _limit_body(self, scope: Scope, receive: Receive) -> tuple[APIError | None, Receive | None]:
+        """(413 error or None, a receive that replays the body; None if the client left)."""
+        limit = self.state.cfg.max_body_bytes
+        too_large = APIError(413, f"Request body exceeds the limit of {limit} bytes.",
+                             code="request_too_large")
+        length = Headers(scope=scope).get("content-length")
+        if length is not None and length.strip().isdigit() and int(length) > limit:
+            return too_large, receive
+        chunks: list[bytes] = []
+        size = 0
+        while True:
+            message = await receive()
+            if message["type"] == "http.disconnect":
+                return None, None
+            body = message.get("body", b"")
+            size += len(body)
+            if size > limit:
+                return too_large, receive
+            chunks.append(body)
+            if not message.get("more_body", False):
+                break
+        replay: list[Message] = [{"type": "http.request", "body": b"".join(chunks), "more_body": False}]
+
+        async def replaying_receive() -> Message:
+            if replay:
+                return replay.pop(0)
+            return await receive()
+
+        return None, replaying_receive
+
+
+async def _send_error(send: Send, exc: APIError) -> None:
+    body = _error_bytes(exc)
+    headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]
+    headers += [(k.lower().encode(), v.encode()) for k, v in exc.headers.items()]
+    await send({"type": "http.response.start", "status": exc.status, "headers": headers})
+    await send({"type": "http.response.body", "body": body, "more_body": False})
+
+
+def _error_bytes(exc: APIError) -> bytes:
+    # ensure_ascii: messages may echo client input, which can hold lone surrogates
+    return json.dumps(exc.body(), ensure_ascii=True).encode()
+
+
+def _error(exc: APIError) -> Response:
+    return Response(_error_bytes(exc), status_code=exc.status, headers=exc.headers,
+                    media_type="application/json")
+
+
+# ---- the app ---------------------------------------------------------------------------------
+
+
+def create_app(backend: Backend | None, cfg: ServerConfig, model_name: str) -> FastAPI:
+    """The app; ``backend`` may be None while the model loads (attach it later with
+    ``app.state.dspark.attach(backend)``): until then ``/ready`` and ``/v1/*`` answer 503."""
     app = FastAPI(title="dspark-server", version="0.1.0",
                   description="OpenAI-compatible server with DSpark speculative decoding")
-    state = ServerState(backend, cfg, model_name, Metrics(backend.stats))
+    state = ServerState(cfg, model_name, Metrics(lambda: state))
+    if backend is not None:
+        state.attach(backend)
     app.state.dspark = state
+    paths: set[str] = set()
 
-    @app.middleware("http")
-    async def guard(request: Request, call_next: Callable[[Request], Awaitable[Response]]) -> Response:
-        path = request.url.path
-        if path.startswith("/v1/"):
-            if cfg.api_key and request.headers.get("authorization") != f"Bearer {cfg.api_key}":
-                return _error(APIError(401, "Invalid or missing API key (send 'Authorization: "
-                                            "Bearer <key>').", "authentication_error"))
-            length = request.headers.get("content-length")
-            if length is not None and length.isdigit() and int(length) > cfg.max_body_bytes:
-                return _error(APIError(413, f"Request body of {length} bytes exceeds the limit of "
-                                            f"{cfg.max_body_bytes} bytes."))
-        response = await call_next(request)
-        if path.startswith("/v1/") and request.method == "POST":
-            state.metrics.count_request(path, response.status_code)
-        return response
+    def endpoints() -> set[str]:
+        if not paths:
+            paths.update(getattr(r, "path", "") for r in app.routes)
+        return paths
+
+    app.add_middleware(Guard, state=state, endpoints=endpoints)
 
     @app.exception_handler(APIError)
-    async def api_error(_: Request, exc: APIError) -> JSONResponse:
+    async def api_error(_: Request, exc: APIError) -> Response:
         return _error(exc)
 
     @app.exception_handler(RequestValidationError)
-    async def validation_error(_: Request, exc: RequestValidationError) -> JSONResponse:
+    async def validation_error(_: Request, exc: RequestValidationError) -> Response:
         return _error(_validation_api_error(exc))
 
-    @app.get("/health")
-    async def health() -> dict[str, str]:
-        return {"status": "ok"}
+    @app.exception_handler(StarletteHTTPException)
+    async def http_error(_: Request, exc: StarletteHTTPException) -> Response:
+        type_ = "invalid_request_error" if exc.status_code < 500 else "internal_error"
+        return _error(APIError(exc.status_code, str(exc.detail), type_,
+                               headers=dict(exc.headers or {})))
 
-    @app.get("/ready", responses={503: {"model": ErrorResponse}})
-    async def ready() -> JSONResponse:
-        if state.draining or not backend.ready:
+    @app.exception_handler(Exception)
+    async def internal_error(_: Request, exc: Exception) -> Response:
+        log.exception("unhandled error")
+        return _error(APIError(500, f"internal server error: {type(exc).__name__}", "internal_error"))
+
+    @app.get("/health", response_model=HealthResponse, summary="Liveness: the process serves HTTP")
+    async def health() -> HealthResponse:
+        return HealthResponse()
+
+    @app.get("/ready", response_model=ReadyResponse, responses=_error_responses(503),
+             summary="Readiness: the engine is up and the server is not draining")
+    async def ready() -> Response:
+        if not state.ready:
             reason = "draining" if state.draining else "loading"
-            return _error(APIError(503, f"server is {reason}", "service_unavailable"))
-        return JSONResponse({"status": "ready"})
+            return _error(APIError(503, f"server is {reason}", "service_unavailable",
+                                   code=f"server_{reason}"))
+        return JSONResponse(ReadyResponse().model_dump())
 
-    @app.get("/metrics")
+    @app.get("/metrics", response_class=Response, summary="Prometheus metrics",
+             responses={200: {"content": {"text/plain": {"schema": {"type": "string"}}},
+                              "description": "Prometheus text exposition format"}})
     async def metrics() -> Response:
         body, content_type = state.metrics.render()
-        return PlainTextResponse(body, media_type=content_type)
+        return Response(body, media_type=content_type)
 
-    @app.get("/v1/models", response_model=ModelList)
+    @app.get("/v1/models", response_model=ModelList, responses=_error_responses(401))
     async def models() -> ModelList:
-        return ModelList(data=[ModelCard(id=model_name, max_model_len=backend.max_model_len)])
+        max_len = state.backend.max_model_len if state.backend is not None else None
+        return ModelList(data=[ModelCard(id=model_name, max_model_len=max_len)])
 
-    @app.post("/v1/chat/completions", responses=ERROR_RESPONSES)
+    post_responses: dict[int | str, dict[str, Any]] = _error_responses(400, 401, 404, 413, 429, 503)
+
+    @app.post("/v1/chat/completions", response_model=None,
+              responses={200: {"model": ChatCompletionResponse, "description": "JSON, or SSE when "
+                               "stream is true", "content": _SSE_CONTENT}, **post_responses})
     async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
+        backend = _check_serving(state, body.model)
         messages = [{"role": m.role, "content": m.text()} for m in body.messages]
-        try:
-            prompt_ids = backend.tokenizer.encode_chat(messages)
-        except Exception as exc:  # template errors (e.g. unsupported role order) are client errors
-            raise APIError(400, f"cannot apply the chat template: {exc}", param="messages") from exc
+        size = sum(len(m["content"]) for m in messages)
+        prompt_ids = await _tokenize(lambda: backend.tokenizer.encode_chat(messages), size,
+                                     "cannot apply the chat template", "messages")
+        if not prompt_ids:
+            raise APIError(400, "the prompt is empty", param="messages")
         max_tokens = body.max_completion_tokens or body.max_tokens
         return await _serve(state, request, body, prompt_ids, max_tokens,
                             ChatFormatter(new_id("chatcmpl"), model_name))
 
-    @app.post("/v1/completions", responses=ERROR_RESPONSES)
+    @app.post("/v1/completions", response_model=None,
+              responses={200: {"model": CompletionResponse, "description": "JSON, or SSE when "
+                               "stream is true", "content": _SSE_CONTENT}, **post_responses})
     async def completions(body: CompletionRequest, request: Request) -> Response:
-        prompt_ids = _completion_prompt(backend, body.prompt)
+        backend = _check_serving(state, body.model)
+        prompt_ids = await _completion_prompt(backend, body.prompt)
         return await _serve(state, request, body, prompt_ids, body.max_tokens,
                             CompletionFormatter(new_id("cmpl"), model_name))
 
+    app.openapi = lambda: _openapi(app, cfg)  # type: ignore[method-assign]
     return app
 
 
-def _completion_prompt(backend: Backend, prompt: Any) -> list[int]:
+# OpenAPI < 3.2: the schema of an event-stream media type describes one event.
+_SSE_CONTENT = {"text/event-stream": {"schema": {
+    "type": "object", "required": ["data"],
+    "description": "one server-sent event: data is a chunk object as JSON text, or [DONE] last",
+    "properties": {"data": {"type": "string"}, "event": {"type": "string"}, "id": {"type": "string"},
+                   "retry": {"type": "integer"}}}}}
+
+
+def _openapi(app: FastAPI, cfg: ServerConfig) -> dict[str, Any]:
+    """FastAPI's schema without its 422 responses (validation failures are 400 here) and, when
+    an API key is configured, with the Bearer scheme on /v1/*."""
+    if app.openapi_schema:
+        return app.openapi_schema
+    schema = get_openapi(title=app.title, version=app.version, description=app.description,
+                         routes=app.routes)
+    for path, item in schema.get("paths", {}).items():
+        for op in item.values():
+            op.get("responses", {}).pop("422", None)
+            if cfg.api_key and path.startswith("/v1/"):
+                op["security"] = [{"bearer": []}]
+    components = schema.setdefault("components", {})
+    for name in ("HTTPValidationError", "ValidationError"):
+        components.get("schemas", {}).pop(name, None)
+    if cfg.api_key:
+        components["securitySchemes"] = {"bearer": {"type": "http", "scheme": "bearer"}}
+    app.openapi_schema = schema
+    return schema
+
+
+def _check_serving(state: ServerState, model: str | None) -> Backend:
+    if model and model != state.model_name:
+        raise APIError(404, f"The model `{model}` does not exist (this server serves "
+                            f"`{state.model_name}`).", param="model", code="model_not_found")
+    if not state.ready or state.backend is None:
+        reason = "shutting down" if state.draining else "loading the model"
+        raise APIError(503, f"the server is {reason}; retry later", "service_unavailable",
+                       headers={"Retry-After": str(RETRY_AFTER_UNAVAILABLE_S)})
+    return state.backend
+
+
+async def _tokenize(fn: Callable[[], list[int]], size: int, what: str, param: str) -> list[int]:
+    try:
+        if size > _LARGE_TEXT_CHARS:
+            return await asyncio.to_thread(fn)
+        return fn()
+    except Exception as exc:  # template errors, text the tokenizer rejects: the client's input
+        raise APIError(400, f"{what}: {exc}", param=param) from exc
+
+
+async def _completion_prompt(backend: Backend, prompt: Any) -> list[int]:
+    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
+        prompt = prompt[0]
     if isinstance(prompt, str):
-        return backend.tokenizer.encode(prompt)
+        if not prompt:
+            raise APIError(400, "the prompt is empty", param="prompt")
+        return await _tokenize(lambda: backend.tokenizer.encode(prompt), len(prompt),
+                               "cannot tokenize the prompt", "prompt")
     if isinstance(prompt, list) and prompt and all(isinstance(x, int) for x in prompt):
         return list(prompt)
-    if isinstance(prompt, list) and len(prompt) == 1:
-        return _completion_prompt(backend, prompt[0])
+    if isinstance(prompt, list) and not prompt:
+        raise APIError(400, "the prompt is empty", param="prompt")
     raise APIError(400, "prompt must be a string, a list of token ids, or a list holding exactly one "
                         "of those (batched prompts are not supported)", param="prompt")
 
@@ -129,75 +370,114 @@ def _completion_prompt(backend: Backend, prompt: Any) -> list[int]:
 async def _serve(state: ServerState, request: Request, body: ChatCompletionRequest | CompletionRequest,
                  prompt_ids: list[int], max_tokens: int | None, fmt: Formatter) -> Response:
     backend = state.backend
-    if body.model and body.model != state.model_name:
-        raise APIError(404, f"The model `{body.model}` does not exist.", "NotFoundError", "model",
-                       "model_not_found")
-    if state.draining or not backend.ready:
-        raise APIError(503, "server is not accepting requests (draining or loading)",
-                       "service_unavailable", headers={"Retry-After": "5"})
-    if not prompt_ids:
-        raise APIError(400, "the prompt is empty", param="prompt")
+    assert backend is not None
     if max_tokens is None:
         max_tokens = max(1, backend.max_model_len - len(prompt_ids))
+    temperature = 1.0 if body.temperature is None else body.temperature
+    if temperature < MIN_TEMPERATURE:  # logits / tiny would overflow: it means greedy (as in vLLM)
+        temperature = 0.0
+    # a top_p that rounds to 0 in float32 would mask every token; any tiny top_p keeps the top one
+    top_p = 1.0 if body.top_p is None else max(body.top_p, MIN_TOP_P)
     try:
         params = SamplingParams(
-            temperature=1.0 if body.temperature is None else body.temperature,
-            top_p=1.0 if body.top_p is None else body.top_p,
+            temperature=temperature, top_p=top_p,
             top_k=body.top_k or 0, seed=body.seed, max_tokens=max_tokens, stop=body.stop_list(),
-            stop_token_ids=tuple(body.stop_token_ids or ()), ignore_eos=body.ignore_eos)
-        backend.validate(prompt_ids, params)
+            stop_token_ids=tuple(body.stop_token_ids or ()), ignore_eos=bool(body.ignore_eos))
+        stream = backend.generate(fmt.response_id, prompt_ids, params)
     except InvalidRequestError as exc:
-        raise APIError(400, str(exc), param=exc.param) from exc
-    if not backend.can_accept():
-        raise APIError(429, "the server's request queue is full; retry later", "rate_limit_exceeded",
-                       headers={"Retry-After": "1"})
-    request_id = fmt.response_id
-    stream = backend.generate(request_id, prompt_ids, params)
+        code = "context_length_exceeded" if "context length" in str(exc) else None
+        raise APIError(400, str(exc), param=exc.param, code=code) from exc
+    except QueueFullError as exc:
+        raise APIError(429, f"the server is at capacity ({exc}); retry later", "rate_limit_error",
+                       code="queue_full", headers={"Retry-After": str(RETRY_AFTER_QUEUE_FULL_S)}) from exc
     if body.stream:
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
-        return StreamingResponse(_sse(stream, fmt, include_usage), media_type="text/event-stream")
+        return EngineSSEResponse(_sse(stream, fmt, include_usage), stream)
     return await _collect_until_disconnect(request, stream, fmt)
 
 
-async def _sse(stream: AsyncIterator[RequestOutput], fmt: Formatter,
-               include_usage: bool) -> AsyncIterator[str]:
-    try:
-        first = True
-        async for out in stream:
-            if out.error:
-                yield f"data: {json.dumps(APIError(500, out.error, 'internal_error').body())}\n\n"
-                break
-            for chunk in fmt.stream_chunks(out, first, include_usage):
-                yield f"data: {json.dumps(chunk)}\n\n"
-            first = False
-        yield "data: [DONE]\n\n"
-    finally:
-        await stream.aclose()  # type: ignore[attr-defined]
+async def _sse(stream: RequestStream, fmt: Formatter, include_usage: bool) -> AsyncIterator[str]:
+    first = True
+    async for out in stream:
+        if out.error:
+            yield f"data: {json.dumps(APIError(500, out.error, 'internal_error').body())}\n\n"
+            break
+        events = [f"data: {json.dumps(chunk)}\n\n" for chunk in fmt.stream_chunks(out, first, include_usage)]
+        first = False
+        if events:
+            yield "".join(events)
+    yield "data: [DONE]\n\n"
 
 
-async def _collect_until_disconnect(request: Request, stream: AsyncIterator[RequestOutput],
-                                    fmt: Formatter) -> Response:
+async def _wait_disconnect(receive: Receive) -> None:
+    while True:
+        message = await receive()
+        if message["type"] == "http.disconnect":
+            return
+
+
+class EngineSSEResponse(StreamingResponse):
+    """SSE that watches for the client going away while the engine works: on disconnect the
+    request is aborted at once, not when the next chunk fails to send."""
+
+    def __init__(self, events: AsyncIterator[str], stream: RequestStream) -> None:
+        super().__init__(events, media_type="text/event-stream",
+                         headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+        self._events = events
+        self._stream = stream
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        watcher = asyncio.ensure_future(_wait_disconnect(receive))
+        events = self._events.__aiter__()
+        try:
+            await send({"type": "http.response.start", "status": self.status_code,
+                        "headers": self.raw_headers})
+            while True:
+                nxt = asyncio.ensure_future(events.__anext__())
+                done, _ = await asyncio.wait({nxt, watcher}, return_when=asyncio.FIRST_COMPLETED)
+                if nxt not in done:  # the client went away
+                    nxt.cancel()
+                    await asyncio.gather(nxt, return_exceptions=True)
+                    return
+                try:
+                    chunk = nxt.result()
+                except StopAsyncIteration:
+                    break
+                await send({"type": "http.response.body", "body": chunk.encode(), "more_body": True})
+            await send({"type": "http.response.body", "body": b"", "more_body": False})
+        except OSError:  # the client went away while we were sending
+            return
+        finally:
+            watcher.cancel()
+            self._stream.close()
+            aclose = getattr(events, "aclose", None)
+            if aclose is not None:
+                await asyncio.gather(aclose(), return_exceptions=True)
+
+
+async def _collect_until_disconnect(request: Request, stream: RequestStream, fmt: Formatter) -> Response:
     outputs: list[RequestOutput] = []
 
     async def collect() -> None:
         async for out in stream:
             outputs.append(out)
 
-    task = asyncio.create_task(collect())
-    while not task.done():
-        done, _ = await asyncio.wait({task}, timeout=0.25)
-        if not done and await request.is_disconnected():
+    task = asyncio.ensure_future(collect())
+    watcher = asyncio.ensure_future(_wait_disconnect(request.receive))
+    try:
+        done, _ = await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
+        if task not in done:  # the client went away: abort now, nobody reads the answer
+            stream.close()
             task.cancel()
             await asyncio.gather(task, return_exceptions=True)
             return Response(status_code=499)
-    task.result()
-    if outputs and outputs[-1].error:
-        raise APIError(500, outputs[-1].error, "internal_error")
+        task.result()
+    finally:
+        watcher.cancel()
+        stream.close()
+    if not outputs or outputs[-1].error:
+        raise APIError(500, outputs[-1].error if outputs else "no output", "internal_error")
     return JSONResponse(fmt.full_response(outputs))
-
-
-def _error(exc: APIError) -> JSONResponse:
-    return JSONResponse(exc.body(), status_code=exc.status, headers=exc.headers)
 
 
 def _validation_api_error(exc: RequestValidationError) -> APIError:
@@ -206,9 +486,12 @@ def _validation_api_error(exc: RequestValidationError) -> APIError:
         return APIError(400, "invalid request")
     first = errors[0]
     loc = [str(x) for x in first.get("loc", ()) if x != "body"]
-    param = loc[0] if loc else None
+    # pydantic appends the union member tried ('str', 'list[int]', ...) to the location
+    loc = [x for x in loc if not any(c in x for c in "[]") and x not in ("str", "int", "float", "bool")]
     where = ".".join(loc) if loc else "body"
-    msg = first.get("msg", "invalid value")
+    msg = str(first.get("msg", "invalid value")).removeprefix("Value error, ")
     if first.get("type") == "json_invalid":
         return APIError(400, f"malformed JSON body: {msg}")
-    return APIError(400, f"invalid value for '{where}': {msg}", param=param)
+    if not loc:
+        return APIError(400, f"invalid request body: {msg}")
+    return APIError(400, f"invalid value for '{where}': {msg}", param=where)

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import time
 import uuid
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 
 class APIError(Exception):
@@ -40,25 +40,39 @@ class ErrorResponse(BaseModel):
 
 
 class StreamOptions(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="ignore", strict=True)
     include_usage: bool = False
 
 
+_INT32 = 2**31 - 1
+
+
 class _SamplingFields(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+    # strict: a string where a number belongs (or 1.0 where an integer belongs) is a 400, not
+    # silently coerced; unknown fields are ignored, as OpenAI does.
+    model_config = ConfigDict(extra="ignore", strict=True)
     model: str | None = None
     max_tokens: int | None = Field(default=None, ge=1)
     temperature: float | None = Field(default=None, ge=0.0, le=2.0, allow_inf_nan=False)
     top_p: float | None = Field(default=None, gt=0.0, le=1.0, allow_inf_nan=False)
-    top_k: int | None = Field(default=None, ge=-1)
+    top_k: int | None = Field(default=None, ge=-1, le=_INT32, description="0 or -1: disabled")
     seed: int | None = Field(default=None, ge=-(2**63), le=2**63 - 1)
     stop: str | list[str] | None = None
-    stop_token_ids: list[int] | None = None
-    n: int = Field(default=1, ge=1, le=1, description="only n=1 is supported")
-    stream: bool = False
+    stop_token_ids: list[Annotated[int, Field(ge=0, le=_INT32)]] | None = None
+    n: int | None = Field(default=1, description="number of choices: only 1 is supported",
+                          json_schema_extra={"minimum": 1, "maximum": 1})
+    stream: bool | None = False
     stream_options: StreamOptions | None = None
     user: str | None = None
-    ignore_eos: bool = False
+    ignore_eos: bool | None = False
+
+    @field_validator("n")
+    @classmethod
+    def _only_one_choice(cls, n: int | None) -> int | None:
+        if n is not None and n != 1:
+            raise ValueError(f"n={n} is not supported: this server returns exactly one choice per "
+                             "request (send n=1 or omit it, and send several requests instead)")
+        return n
 
     def stop_list(self) -> tuple[str, ...]:
         if self.stop is None:
@@ -67,13 +81,13 @@ class _SamplingFields(BaseModel):
 
 
 class ContentPart(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="ignore", strict=True)
     type: Literal["text"]
     text: str
 
 
 class ChatMessage(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="ignore", strict=True)
     role: Literal["system", "user", "assistant", "developer", "tool"]
     content: str | list[ContentPart] | None = None
     name: str | None = None
@@ -88,11 +102,13 @@ class ChatMessage(BaseModel):
 
 class ChatCompletionRequest(_SamplingFields):
     messages: list[ChatMessage] = Field(min_length=1)
-    max_completion_tokens: int | None = Field(default=None, ge=1)
+    max_completion_tokens: int | None = Field(default=None, ge=1,
+                                              description="preferred over max_tokens when both are set")
 
 
 class CompletionRequest(_SamplingFields):
-    prompt: str | list[int] | list[str] | list[list[int]]
+    prompt: str | list[int] | list[str] | list[list[int]] = Field(
+        description="a string, a list of token ids, or a list holding exactly one of those")
 
 
 class SpecUsage(BaseModel):
@@ -101,6 +117,9 @@ class SpecUsage(BaseModel):
     verified_tokens: int = 0
     accepted_tokens: int = 0
     mean_acceptance_length: float = 1.0
+
+
+FinishReason = Literal["stop", "length"] | None
 
 
 class Usage(BaseModel):
@@ -118,7 +137,7 @@ class ResponseMessage(BaseModel):
 class ChatChoice(BaseModel):
     index: int = 0
     message: ResponseMessage
-    finish_reason: str | None
+    finish_reason: FinishReason
     logprobs: None = None
 
 
@@ -134,7 +153,7 @@ class ChatCompletionResponse(BaseModel):
 class CompletionChoice(BaseModel):
     index: int = 0
     text: str
-    finish_reason: str | None
+    finish_reason: FinishReason
     logprobs: None = None
 
 
@@ -158,6 +177,14 @@ class ModelCard(BaseModel):
 class ModelList(BaseModel):
     object: Literal["list"] = "list"
     data: list[ModelCard]
+
+
+class HealthResponse(BaseModel):
+    status: Literal["ok"] = "ok"
+
+
+class ReadyResponse(BaseModel):
+    status: Literal["ready"] = "ready"
 
 
 def new_id(prefix: str) -> str:

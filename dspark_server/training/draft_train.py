@@ -1,0 +1,625 @@
+"""Train a DSpark drafter against a frozen target on self-distilled data (``dspark train draft``).
+
+Per step (``train_step``):
+
+1. a batch of ``batch_size`` distilled sequences (prompt + the target's own answer, loss mask on
+   the answer; ``distill.py``), right-padded to the longest one (at most ``seq_len`` tokens);
+2. one dense causal target pass (``DenseCausalAttention``, no grad) capturing the drafter's
+   ``target_layer_ids`` features for every position and the target's logits at the rows the blocks
+   need (``label - 1``);
+3. ``anchors_per_seq`` random anchors per sequence (``losses.sample_anchors``: an anchor and its
+   first label are both answer tokens), every block of the batch in one ``forward_train``;
+4. ``dspark_loss``: 0.1 CE + 0.9 L1 (TV) + 1.0 confidence BCE, position weights exp(-(k-1)/4);
+5. AdamW (weight decay 0), linear warm-up then cosine to ``min_lr_ratio``, grad-norm clip 1.0.
+
+A tqdm bar shows the loss, TV, first/last-position accuracy and the expected acceptance length τ;
+``log.jsonl`` in the run directory has every step's per-position numbers. Held-out sequences
+(a deterministic slice of the data, or ``--eval-data``) are evaluated every ``eval_every`` steps:
+τ (temperature 1: 1 + Σ_k Π_{i≤k} (1 - ½‖p_d,i - p_t,i‖₁)) and τ_greedy (temperature 0: the
+drafter's argmax equals the target's). Checkpoints (drafter weights and AdamW moments in
+safetensors, step/history in JSON; no pickle) make a run resumable (``--resume``) with the same
+data order, anchors and schedule as an uninterrupted run. ``--max-minutes`` stops cleanly: it
+checkpoints and exports. The final drafter is written with ``save_drafter`` (DeepSpec layout).
+
+    python -m dspark_server.training.draft_train --target dspark_server/assets/demo/target \\
+        --data work_data/draft_data --out work_data/drafters/markov --steps 1500
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import logging
+import math
+import shutil
+import sys
+import time
+from dataclasses import asdict, dataclass, field
+from functools import lru_cache
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from safetensors.torch import load_file, save_file
+
+from dspark_server.models.attention import DenseCausalAttention
+from dspark_server.models.drafter import DSparkDrafter
+from dspark_server.models.drafter_checkpoint import save_drafter
+from dspark_server.models.drafter_config import DraftConfig, default_target_layer_ids
+from dspark_server.models.loader import load_state, load_target
+from dspark_server.models.target import TargetModel
+from dspark_server.training.chat_format import MASK
+from dspark_server.training.distill import SequenceSet, load_sequences
+from dspark_server.training.losses import (
+    LossConfig,
+    LossOutput,
+    block_labels,
+    dspark_loss,
+    label_positions,
+    position_weights,
+    sample_anchors,
+)
+
+log = logging.getLogger(__name__)
+
+INFO_FILE = "training_info.json"
+
+
+# ------------------------------------------------------------------------------------ configs
+
+
+@dataclass(frozen=True)
+class DrafterArch:
+    """What ``DraftConfig.from_target`` needs beyond the target itself."""
+
+    gamma: int = 7
+    head: str = "markov"  # markov | gated | rnn | none
+    layers: int = 1
+    markov_rank: int = 64
+    target_layer_ids: tuple[int, ...] | None = None  # None: ``default_layer_ids``
+    confidence: bool = True
+    intermediate_size: int | None = None  # None: the target's
+
+
+@dataclass(frozen=True)
+class DraftTrainConfig:
+    target_dir: str
+    data: str  # distilled data: a ``distill`` output directory or a records JSONL file
+    out_dir: str
+    run_dir: str | None = None  # checkpoints + log; None: ``default_run_dir(out_dir)``
+    eval_data: str | None = None  # None: hold out a slice of ``data``
+    arch: DrafterArch = field(default_factory=DrafterArch)
+    loss: LossConfig = field(default_factory=LossConfig)
+    steps: int = 1000
+    batch_size: int = 8  # sequences per step
+    seq_len: int = 320  # longer sequences are cut (prompt first, so the answer tail is lost)
+    anchors_per_seq: int = 48
+    lr: float = 6e-4  # DeepSpec's
+    warmup_frac: float = 0.04
+    min_lr_ratio: float = 0.0
+    weight_decay: float = 0.0
+    grad_clip: float = 1.0
+    init_std: float = 0.02  # Hugging Face initializer_range
+    eval_every: int = 100  # 0: only at the end
+    eval_fraction: float = 0.02
+    max_eval_sequences: int = 64
+    ckpt_every: int = 50
+    seed: int = 0
+    threads: int = 2
+    resume: bool = False
+    overwrite: bool = False  # start fresh even if the run directory holds a checkpoint
+    max_minutes: float | None = None
+    progress: bool = True
+    include_shared: bool = True  # write the frozen embedding / LM-head copies (DeepSpec loads need them)
+
+
+def default_run_dir(out_dir: str | Path) -> Path:
+    """``work_data/draft_runs/<name>-<hash of the out path>``: never inside the package."""
+    out = Path(out_dir).resolve()
+    return Path("work_data/draft_runs") / f"{out.name}-{hashlib.sha1(str(out).encode()).hexdigest()[:8]}"
+
+
+def default_layer_ids(num_target_layers: int, num_features: int = 5) -> tuple[int, ...]:
+    """Small targets (<= 8 layers): every layer but the last, at most the last 5 of them
+    (4 layers -> (0, 1, 2), 6 -> (0..4)); deeper ones: DeepSpec's spread from 1 to L-3."""
+    if num_target_layers <= 1:
+        return (0,)
+    if num_target_layers <= 8:
+        return tuple(range(num_target_layers - 1))[-num_features:]
+    return default_target_layer_ids(num_target_layers, num_features)
+
+
+def mask_token_id(target_dir: str | Path) -> int:
+    from dspark_server.models.tokenizer import Tokenizer
+
+    tid = Tokenizer(target_dir).token_id(MASK)
+    if tid is None:
+        raise ValueError(f"the tokenizer in {target_dir} has no {MASK} token (the drafter's mask token)")
+    return tid
+
+
+def build_drafter(target: TargetModel, mask_id: int, arch: DrafterArch, seed: int = 0,
+                  init_std: float = 0.02, num_anchors: int = 512) -> DSparkDrafter:
+    """A freshly initialised drafter: N(0, init_std) matrices and embeddings, zero biases, unit
+    norms (the Hugging Face ``_init_weights`` DeepSpec's ``PreTrainedModel`` drafter gets)."""
+    ids = arch.target_layer_ids or default_layer_ids(target.config.num_hidden_layers)
+    cfg = DraftConfig.from_target(target.config, mask_token_id=mask_id, num_layers=arch.layers,
+                                  target_layer_ids=tuple(ids), gamma=arch.gamma, head_type=arch.head,
+                                  markov_rank=arch.markov_rank, confidence=arch.confidence,
+                                  intermediate_size=arch.intermediate_size, num_anchors=num_anchors)
+    drafter = DSparkDrafter(cfg, target)
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in drafter.named_parameters():
+            if name.endswith("norm.weight"):
+                p.fill_(1.0)
+            elif name.endswith(".bias"):
+                p.zero_()
+            else:
+                p.copy_(torch.randn(p.shape, generator=gen) * init_std)
+    return drafter
+
+
+def lr_at(step: int, cfg: DraftTrainConfig) -> float:
+    """Linear warm-up over ``warmup_frac`` of the steps, then cosine to ``min_lr_ratio * lr``."""
+    warm = max(1, round(cfg.warmup_frac * cfg.steps))
+    if step < warm:
+        return cfg.lr * (step + 1) / warm
+    frac = min(1.0, (step - warm) / max(1, cfg.steps - warm))
+    return cfg.lr * (cfg.min_lr_ratio + (1 - cfg.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * frac)))
+
+
+# --------------------------------------------------------------------------------------- data
+
+
+def split_heldout(n: int, fraction: float, max_eval: int) -> tuple[np.ndarray, np.ndarray]:
+    """(train indices, held-out indices): an evenly spaced deterministic slice is held out."""
+    n_eval = min(max_eval, round(fraction * n)) if n >= 2 else 0
+    n_eval = max(1, n_eval) if n >= 2 and fraction > 0 else n_eval
+    held = np.zeros(0, np.int64)
+    if n_eval:
+        held = np.unique(np.linspace(0, n - 1, n_eval).round().astype(np.int64))
+    train = np.setdiff1d(np.arange(n, dtype=np.int64), held)
+    return train, held
+
+
+class BatchOrder:
+    """Sequence indices of step s: a seeded permutation per epoch, walked ``batch_size`` at a time.
+    A pure function of (seed, step), so a resumed run sees the same batches."""
+
+    def __init__(self, indices: np.ndarray, batch_size: int, seed: int) -> None:
+        if len(indices) == 0:
+            raise ValueError("no training sequences")
+        self.indices, self.batch_size, self.seed = indices, batch_size, seed
+
+    @lru_cache(maxsize=4)  # noqa: B019 - a handful of epochs, bounded
+    def _perm(self, epoch: int) -> np.ndarray:
+        return self.indices[np.random.default_rng([self.seed, epoch]).permutation(len(self.indices))]
+
+    def batch(self, step: int) -> list[int]:
+        n = len(self.indices)
+        flat = np.arange(step * self.batch_size, (step + 1) * self.batch_size)
+        return [int(self._perm(int(i // n))[i % n]) for i in flat]
+
+
+@dataclass(frozen=True)
+class Batch:
+    ids: torch.Tensor  # [B, S] long
+    loss_mask: torch.Tensor  # [B, S] float (1 on answer tokens)
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.ids.numel())
+
+
+def make_batch(data: SequenceSet, indices: list[int], seq_len: int, pad_id: int = 0) -> Batch:
+    """Right-pad (mask 0) the sequences to the longest one, cutting each at ``seq_len`` tokens.
+    Padding sits after every real token, so causal attention never lets a real row see it."""
+    parts = [data.get(i) for i in indices]
+    s = max(2, min(seq_len, max(len(p[0]) for p in parts)))
+    ids = torch.full((len(parts), s), pad_id, dtype=torch.long)
+    mask = torch.zeros(len(parts), s)
+    for r, (x, m) in enumerate(parts):
+        n = min(s, len(x))
+        ids[r, :n] = torch.from_numpy(x[:n].astype(np.int64))
+        mask[r, :n] = torch.from_numpy(m[:n].astype(np.float32))
+    return Batch(ids, mask)
+
+
+def anchor_generator(seed: int, step: int, salt: int = 0) -> torch.Generator:
+    return torch.Generator().manual_seed((seed * 1_000_003 + step) * 7 + salt)
+
+
+# -------------------------------------------------------------------------------------- model
+
+
+@torch.no_grad()
+def target_pass(target: TargetModel, drafter: DSparkDrafter, ids: torch.Tensor,
+                anchors: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Features [B, S, n*H] of every position and the target logits of every block row
+    [B, A, g, V] (row ``label - 1`` = anchor + k), computing the LM head only on needed rows."""
+    b, s = ids.shape
+    g = drafter.gamma
+    rows = (label_positions(anchors, g) - 1).clamp(0, s - 1)  # [B, A, g]
+    flat = (rows + torch.arange(b)[:, None, None] * s).reshape(-1)
+    uniq, inverse = torch.unique(flat, return_inverse=True)
+    out = target(ids.reshape(-1), torch.arange(s).repeat(b), DenseCausalAttention(b, s),
+                 logits_rows=uniq, capture_layers=drafter.capture_layers)
+    assert out.hidden is not None
+    return out.hidden.view(b, s, -1), out.logits[inverse].view(*rows.shape, -1)
+
+
+def greedy_tau(draft_logits: torch.Tensor, target_logits: torch.Tensor,
+               eval_mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Temperature-0 estimate: per block 1 + Σ_k Π_{i≤k} [argmax draft_i == argmax target_i]
+    (teacher-forced). -> (sum over valid blocks, number of valid blocks)."""
+    match = (draft_logits.argmax(-1) == target_logits.argmax(-1)) & eval_mask
+    blocks = eval_mask.any(-1)
+    per_block = 1.0 + match.int().cumprod(-1).sum(-1).float()
+    return (per_block * blocks).sum(), blocks.sum()
+
+
+@dataclass(frozen=True)
+class StepResult:
+    res: LossOutput
+    greedy_tau_sum: float  # NaN when not computed
+    blocks: int
+    weight: float  # Σ w of the batch (for weighting loss averages)
+
+
+def batch_loss(drafter: DSparkDrafter, target: TargetModel, batch: Batch, anchors_per_seq: int,
+               generator: torch.Generator, loss_cfg: LossConfig, with_greedy: bool = True) -> StepResult:
+    """Sample anchors, run the target and the drafter, compute the loss. ``with_greedy=False``
+    skips the τ_greedy metric (two argmax passes over [B, A, g, V])."""
+    g = drafter.gamma
+    anchors, valid = sample_anchors(batch.loss_mask, anchors_per_seq, generator=generator)
+    labels, eval_mask = block_labels(batch.ids, batch.loss_mask, anchors, valid, g)
+    feats, target_block = target_pass(target, drafter, batch.ids, anchors)
+    out = drafter.forward_train(feats, batch.ids, anchors)
+    res = dspark_loss(out.logits, target_block, labels, eval_mask, out.confidence_logits, loss_cfg)
+    with torch.no_grad():
+        nb = int(eval_mask.any(-1).sum())
+        gt = float(greedy_tau(out.logits, target_block, eval_mask)[0]) if with_greedy else float("nan")
+        w = float((eval_mask.float() * position_weights(g, loss_cfg.decay)).sum())
+    return StepResult(res, gt, nb, w)
+
+
+def make_optimizer(drafter: DSparkDrafter, cfg: DraftTrainConfig) -> torch.optim.AdamW:
+    params = [p for p in drafter.parameters() if p.requires_grad]
+    return torch.optim.AdamW(params, lr=cfg.lr, weight_decay=cfg.weight_decay)
+
+
+def train_step(drafter: DSparkDrafter, target: TargetModel, opt: torch.optim.Optimizer, batch: Batch,
+               anchors_per_seq: int, generator: torch.Generator, lr: float, loss_cfg: LossConfig,
+               grad_clip: float = 1.0) -> tuple[StepResult, float]:
+    for group in opt.param_groups:
+        group["lr"] = lr
+    drafter.train()
+    r = batch_loss(drafter, target, batch, anchors_per_seq, generator, loss_cfg, with_greedy=False)
+    opt.zero_grad(set_to_none=True)
+    r.res.loss.backward()
+    params = [p for group in opt.param_groups for p in group["params"]]
+    gnorm = float(torch.nn.utils.clip_grad_norm_(params, grad_clip))
+    opt.step()
+    return r, gnorm
+
+
+@torch.no_grad()
+def evaluate(drafter: DSparkDrafter, target: TargetModel, batches: list[Batch], anchors_per_seq: int,
+             loss_cfg: LossConfig, seed: int = 0) -> dict[str, Any]:
+    """Held-out metrics with fixed anchors: loss terms (weighted like the loss), τ, τ_greedy,
+    per-position acceptance / TV / accuracy (weighted by supervised rows)."""
+    was = drafter.training
+    drafter.eval()
+    g = drafter.gamma
+    tot = {"loss": 0.0, "ce": 0.0, "tv": 0.0, "confidence": 0.0}
+    wsum = tau_sum = gtau_sum = 0.0
+    blocks = 0
+    acc = torch.zeros(g, dtype=torch.float64)
+    acc_pos = torch.zeros(g, dtype=torch.float64)
+    tv_pos = torch.zeros(g, dtype=torch.float64)
+    count = torch.zeros(g, dtype=torch.float64)
+    for i, batch in enumerate(batches):
+        r = batch_loss(drafter, target, batch, anchors_per_seq, anchor_generator(seed, i, salt=1), loss_cfg)
+        res = r.res
+        for k in tot:
+            tot[k] += float(getattr(res, k)) * r.weight
+        wsum += r.weight
+        tau_sum += float(res.tau) * r.blocks
+        gtau_sum += r.greedy_tau_sum
+        blocks += r.blocks
+        c = res.count_per_pos.double()
+        acc += res.accept_per_pos.double() * c
+        acc_pos += res.accuracy_per_pos.double() * c
+        tv_pos += res.tv_per_pos.double() * c
+        count += c
+    drafter.train(was)
+    per = count.clamp_min(1.0)
+    return {**{k: round(v / max(wsum, 1e-9), 5) for k, v in tot.items()},
+            "tau": round(tau_sum / max(blocks, 1), 4), "tau_greedy": round(gtau_sum / max(blocks, 1), 4),
+            "accept_per_pos": [round(float(x), 4) for x in acc / per],
+            "accuracy_per_pos": [round(float(x), 4) for x in acc_pos / per],
+            "tv_per_pos": [round(float(x), 4) for x in tv_pos / per],
+            "blocks": blocks}
+
+
+# --------------------------------------------------------------------------------- checkpoints
+
+
+def save_checkpoint(run_dir: str | Path, drafter: DSparkDrafter, opt: torch.optim.Optimizer,
+                    state: dict[str, Any]) -> Path:
+    """``run_dir/ckpt``: drafter.safetensors, optim.safetensors (AdamW moments flattened by
+    parameter index), state.json. Written to ``ckpt.tmp`` and swapped in, so a crash leaves the
+    previous checkpoint (or ``ckpt.old``) intact."""
+    run = Path(run_dir)
+    tmp, cur, old = run / "ckpt.tmp", run / "ckpt", run / "ckpt.old"
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    save_file({k: v.detach().contiguous() for k, v in drafter.state_dict().items()},
+              str(tmp / "drafter.safetensors"), metadata={"format": "pt"})
+    flat: dict[str, torch.Tensor] = {}
+    for pid, st in opt.state_dict()["state"].items():
+        for k, v in st.items():
+            flat[f"{pid}.{k}"] = torch.as_tensor(v).detach().contiguous()
+    save_file(flat, str(tmp / "optim.safetensors"))
+    (tmp / "state.json").write_text(json.dumps(state, indent=1) + "\n")
+    shutil.rmtree(old, ignore_errors=True)
+    if cur.exists():
+        cur.rename(old)
+    tmp.rename(cur)
+    shutil.rmtree(old, ignore_errors=True)
+    return cur
+
+
+def find_checkpoint(run_dir: str | Path) -> Path | None:
+    run = Path(run_dir)
+    for d in (run / "ckpt", run / "ckpt.old"):
+        if (d / "state.json").is_file():
+            return d
+    return None
+
+
+def load_checkpoint(ckpt: str | Path, drafter: DSparkDrafter, opt: torch.optim.Optimizer) -> dict[str, Any]:
+    d = Path(ckpt)
+    state = json.loads((d / "state.json").read_text())
+    saved_cfg = DraftConfig.from_hf_dict(state["draft_config"])
+    if saved_cfg != drafter.config:
+        raise ValueError(f"checkpoint {d} is for another drafter configuration:\n  saved {saved_cfg}\n"
+                         f"  now   {drafter.config}")
+    load_state(drafter, load_file(str(d / "drafter.safetensors")))
+    osd = opt.state_dict()
+    per_param: dict[int, dict[str, torch.Tensor]] = {}
+    for key, v in load_file(str(d / "optim.safetensors")).items():
+        pid, name = key.split(".", 1)
+        per_param.setdefault(int(pid), {})[name] = v
+    opt.load_state_dict({"state": per_param, "param_groups": osd["param_groups"]})
+    return state
+
+
+# ------------------------------------------------------------------------------------ training
+
+
+def _fmt(xs: list[float]) -> str:
+    return "/".join(f"{x:.2f}" for x in xs)
+
+
+def train_draft(cfg: DraftTrainConfig) -> dict[str, Any]:
+    """Train (or resume), evaluating and checkpointing; export the drafter to ``out_dir``."""
+    from tqdm import tqdm
+
+    t_start = time.perf_counter()
+    torch.set_num_threads(cfg.threads)
+    target = load_target(cfg.target_dir)
+    drafter = build_drafter(target, mask_token_id(cfg.target_dir), cfg.arch, cfg.seed, cfg.init_std,
+                            num_anchors=cfg.anchors_per_seq)
+    opt = make_optimizer(drafter, cfg)
+    run = Path(cfg.run_dir) if cfg.run_dir else default_run_dir(cfg.out_dir)
+    run.mkdir(parents=True, exist_ok=True)
+
+    data = load_sequences(cfg.data)
+    if cfg.eval_data:
+        train_idx, held_set = np.arange(len(data)), load_sequences(cfg.eval_data)
+        held_set = held_set.subset(np.arange(min(len(held_set), cfg.max_eval_sequences)))
+    else:
+        train_idx, held_idx = split_heldout(len(data), cfg.eval_fraction, cfg.max_eval_sequences)
+        held_set = data.subset(held_idx)
+    order = BatchOrder(train_idx, cfg.batch_size, cfg.seed)
+    held = [make_batch(held_set, list(range(i, min(i + cfg.batch_size, len(held_set)))), cfg.seq_len)
+            for i in range(0, len(held_set), cfg.batch_size)]
+    data_info = {"sequences": len(data), "train_sequences": int(len(train_idx)),
+                 "heldout_sequences": len(held_set), "answer_tokens": data.num_answer_tokens,
+                 "tokens": int(data.ids.size)}
+
+    step, train_seconds, tokens_seen, blocks_seen = 0, 0.0, 0, 0
+    history: dict[str, list] = {"train": [], "heldout": []}
+    ckpt = find_checkpoint(run)
+    if ckpt is not None and cfg.resume:
+        st = load_checkpoint(ckpt, drafter, opt)
+        step, train_seconds = st["step"], st["train_seconds"]
+        tokens_seen, blocks_seen, history = st["tokens_seen"], st["blocks_seen"], st["history"]
+        if st.get("data") != data_info:
+            log.warning("resuming with different data (%s, was %s): batches differ from the first run",
+                        data_info, st.get("data"))
+        print(f"resumed from {ckpt} at step {step}", file=sys.stderr, flush=True)
+    elif ckpt is not None and not cfg.overwrite:
+        saved_step = json.loads((ckpt / "state.json").read_text())["step"]
+        raise FileExistsError(f"{run} holds a checkpoint (step {saved_step}); "
+                              "pass --resume to continue it or --overwrite to start again")
+    elif cfg.resume:
+        print(f"no checkpoint in {run}: starting from step 0", file=sys.stderr, flush=True)
+
+    n_params = sum(p.numel() for p in drafter.parameters())
+    print(f"drafter: {n_params:,} trainable parameters, head={drafter.config.head_type}, "
+          f"layers={drafter.config.num_hidden_layers}, gamma={drafter.gamma}, "
+          f"target_layer_ids={drafter.config.target_layer_ids}; data: {data_info}; run dir {run}",
+          file=sys.stderr, flush=True)
+
+    def state() -> dict[str, Any]:
+        return {"step": step, "train_seconds": round(train_seconds, 2), "tokens_seen": tokens_seen,
+                "blocks_seen": blocks_seen, "history": history, "data": data_info,
+                "draft_config": drafter.config.to_hf_dict(), "config": _jsonable(asdict(cfg))}
+
+    def run_eval() -> dict[str, Any]:
+        t0 = time.perf_counter()
+        ev = evaluate(drafter, target, held, cfg.anchors_per_seq, cfg.loss, cfg.seed)
+        ev["step"], ev["seconds"] = step, round(time.perf_counter() - t0, 2)
+        history["heldout"].append(ev)
+        return ev
+
+    logf = (run / "log.jsonl").open("a" if step > 0 else "w")  # a fresh start replaces the old log
+    bar = tqdm(total=cfg.steps, initial=step, desc="train draft", disable=not cfg.progress,
+               file=sys.stderr, dynamic_ncols=True, mininterval=2.0)
+    if held and step == 0 and not history["heldout"]:
+        ev = run_eval()
+        bar.write(f"step 0 heldout: loss {ev['loss']:.4f} tau {ev['tau']:.3f} "
+                  f"tau_greedy {ev['tau_greedy']:.3f}")
+    ema: dict[str, float] = {}
+    stopped = "completed"
+    try:
+        while step < cfg.steps:
+            t0 = time.perf_counter()
+            batch = make_batch(data, order.batch(step), cfg.seq_len)
+            lr = lr_at(step, cfg)
+            r, gnorm = train_step(drafter, target, opt, batch, cfg.anchors_per_seq,
+                                  anchor_generator(cfg.seed, step), lr, cfg.loss, cfg.grad_clip)
+            step += 1
+            dt = time.perf_counter() - t0
+            train_seconds += dt
+            tokens_seen += batch.num_tokens
+            blocks_seen += r.blocks
+            res = r.res
+            cur = {"loss": float(res.loss.detach()), "tv": float(res.tv), "tau": float(res.tau),
+                   "acc1": float(res.accuracy_per_pos[0])}
+            ema = {k: v if k not in ema else 0.9 * ema[k] + 0.1 * v for k, v in cur.items()}
+            bar.update(1)
+            bar.set_postfix(loss=f"{ema['loss']:.3f}", tv=f"{ema['tv']:.3f}", acc1=f"{ema['acc1']:.2f}",
+                            tau=f"{ema['tau']:.2f}", lr=f"{lr:.1e}", s_step=f"{dt:.2f}",
+                            tok_s=f"{tokens_seen / max(train_seconds, 1e-9):.0f}")
+            rec: dict[str, Any] = {
+                "step": step, "loss": round(cur["loss"], 5), "ce": round(float(res.ce), 5),
+                "tv": round(cur["tv"], 5), "confidence": round(float(res.confidence), 5),
+                "tau": round(cur["tau"], 4),
+                "accept_per_pos": [round(float(x), 4) for x in res.accept_per_pos],
+                "accuracy_per_pos": [round(float(x), 4) for x in res.accuracy_per_pos],
+                "lr": lr, "gnorm": round(gnorm, 4), "seconds": round(dt, 3), "tokens": batch.num_tokens,
+                "blocks": r.blocks}
+            if step % 10 == 0 or step == cfg.steps:
+                history["train"].append({k: rec[k] for k in ("step", "loss", "tv", "tau")})
+            if (cfg.eval_every and step % cfg.eval_every == 0 or step == cfg.steps) and held:
+                ev = run_eval()
+                rec["heldout"] = {k: ev[k] for k in ("loss", "tau", "tau_greedy")}
+                bar.write(f"step {step} heldout: loss {ev['loss']:.4f} tv {ev['tv']:.4f} tau {ev['tau']:.3f} "
+                          f"tau_greedy {ev['tau_greedy']:.3f} accept {_fmt(ev['accept_per_pos'])} "
+                          f"acc {_fmt(ev['accuracy_per_pos'])} ({ev['seconds']:.1f}s)")
+            logf.write(json.dumps(rec) + "\n")
+            logf.flush()
+            over_budget = (cfg.max_minutes is not None
+                           and time.perf_counter() - t_start > 60.0 * cfg.max_minutes)
+            if step % cfg.ckpt_every == 0 or step == cfg.steps or over_budget:
+                save_checkpoint(run, drafter, opt, state())
+            if over_budget and step < cfg.steps:
+                stopped = "time budget"
+                bar.write(f"time budget of {cfg.max_minutes} min reached at step {step}: checkpoint saved "
+                          f"in {run}; rerun with --resume to continue")
+                break
+    except KeyboardInterrupt:
+        stopped = "interrupted"
+        save_checkpoint(run, drafter, opt, state())
+        bar.write(f"interrupted at step {step}: checkpoint saved in {run}")
+    finally:
+        bar.close()
+        logf.close()
+
+    drafter.eval()
+    out = save_drafter(drafter, cfg.out_dir, include_shared=cfg.include_shared)
+    last_eval = history["heldout"][-1] if history["heldout"] else None
+    info = {"status": stopped, "steps": step, "target_steps": cfg.steps, "parameters": n_params,
+            "train_seconds": round(train_seconds, 1),
+            "seconds_per_step": round(train_seconds / max(step, 1), 3),
+            "tokens_seen": tokens_seen, "tokens_per_s": round(tokens_seen / max(train_seconds, 1e-9), 1),
+            "blocks_seen": blocks_seen, "heldout": last_eval,
+            "heldout_history": [{k: e[k] for k in ("step", "loss", "tau", "tau_greedy")}
+                                for e in history["heldout"]],
+            "data": data_info, "run_dir": str(run), "config": _jsonable(asdict(cfg))}
+    (out / INFO_FILE).write_text(json.dumps(info, indent=2) + "\n")
+    if stopped == "interrupted":
+        raise KeyboardInterrupt
+    return info
+
+
+def _jsonable(x: Any) -> Any:
+    if isinstance(x, dict):
+        return {k: _jsonable(v) for k, v in x.items()}
+    if isinstance(x, list | tuple):
+        return [_jsonable(v) for v in x]
+    return x
+
+
+# ---------------------------------------------------------------------------------------- cli
+
+
+def build_parser() -> argparse.ArgumentParser:
+    d = DraftTrainConfig(target_dir="", data="", out_dir="")
+    a0 = DrafterArch()
+    p = argparse.ArgumentParser(prog="dspark train draft",
+                                description="Train a DSpark drafter on self-distilled data (make the "
+                                            "data with `python -m dspark_server.training.distill`).")
+    p.add_argument("--target", required=True, help="target model directory (frozen)")
+    p.add_argument("--data", required=True, help="distilled data directory or records JSONL file")
+    p.add_argument("--out", required=True, help="output drafter directory (config.json + model.safetensors)")
+    p.add_argument("--run-dir", default=None,
+                   help="checkpoints and log (default work_data/draft_runs/<out name>-<hash>)")
+    p.add_argument("--eval-data", default=None, help="held-out distilled data (default: a slice of --data)")
+    p.add_argument("--gamma", type=int, default=a0.gamma)
+    p.add_argument("--head", choices=("markov", "gated", "rnn", "none"), default=a0.head)
+    p.add_argument("--layers", type=int, default=a0.layers)
+    p.add_argument("--markov-rank", type=int, default=a0.markov_rank)
+    p.add_argument("--target-layers", default=None, help="comma-separated target layer ids "
+                                                         "(default: all but the last for <= 8 layers)")
+    p.add_argument("--no-confidence", action="store_true", help="no confidence head")
+    p.add_argument("--intermediate-size", type=int, default=None)
+    p.add_argument("--steps", type=int, default=d.steps)
+    p.add_argument("--lr", type=float, default=d.lr)
+    p.add_argument("--warmup-frac", type=float, default=d.warmup_frac)
+    p.add_argument("--batch-size", type=int, default=d.batch_size)
+    p.add_argument("--seq-len", type=int, default=d.seq_len)
+    p.add_argument("--anchors-per-seq", type=int, default=d.anchors_per_seq)
+    p.add_argument("--eval-every", type=int, default=d.eval_every)
+    p.add_argument("--ckpt-every", type=int, default=d.ckpt_every)
+    p.add_argument("--seed", type=int, default=d.seed)
+    p.add_argument("--threads", type=int, default=d.threads)
+    p.add_argument("--resume", action="store_true", help="continue from the run directory's checkpoint")
+    p.add_argument("--overwrite", action="store_true", help="start again even if a checkpoint exists")
+    p.add_argument("--max-minutes", type=float, default=None, help="wall budget: checkpoint, export, exit")
+    p.add_argument("--no-progress", action="store_true")
+    p.add_argument("--no-shared-copies", action="store_true",
+                   help="omit the target's embedding / LM-head copies from model.safetensors (smaller; "
+                        "this server and SGLang load it, DeepSpec's from_pretrained does not)")
+    return p
+
+
+def config_from_args(a: argparse.Namespace) -> DraftTrainConfig:
+    layer_ids = tuple(int(x) for x in a.target_layers.split(",")) if a.target_layers else None
+    arch = DrafterArch(gamma=a.gamma, head=a.head, layers=a.layers, markov_rank=a.markov_rank,
+                       target_layer_ids=layer_ids, confidence=not a.no_confidence,
+                       intermediate_size=a.intermediate_size)
+    return DraftTrainConfig(target_dir=a.target, data=a.data, out_dir=a.out, run_dir=a.run_dir,
+                            eval_data=a.eval_data, arch=arch, steps=a.steps, batch_size=a.batch_size,
+                            seq_len=a.seq_len, anchors_per_seq=a.anchors_per_seq, lr=a.lr,
+                            warmup_frac=a.warmup_frac, eval_every=a.eval_every, ckpt_every=a.ckpt_every,
+                            seed=a.seed, threads=a.threads, resume=a.resume, overwrite=a.overwrite,
+                            max_minutes=a.max_minutes, progress=not a.no_progress,
+                            include_shared=not a.no_shared_copies)
+
+
+def main(argv: list[str] | None = None) -> int:
+    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
+    info = train_draft(config_from_args(build_parser().parse_args(argv)))
+    print(json.dumps({k: v for k, v in info.items() if k not in ("config", "heldout_history")}, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
