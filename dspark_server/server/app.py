@@ -47,8 +47,6 @@ log = logging.getLogger(__name__)
 
 RETRY_AFTER_QUEUE_FULL_S = 1
 RETRY_AFTER_UNAVAILABLE_S = 5
-MIN_TEMPERATURE = 1e-5
-MIN_TOP_P = 1e-6
 _LARGE_TEXT_CHARS = 20_000  # tokenize longer inputs off the event loop
 
 _RETRY_AFTER_HEADER = {"Retry-After": {"description": "seconds to wait before retrying",
@@ -373,11 +371,9 @@ async def _serve(state: ServerState, request: Request, body: ChatCompletionReque
     assert backend is not None
     if max_tokens is None:
         max_tokens = max(1, backend.max_model_len - len(prompt_ids))
+    # Tiny temperatures and top_p values are handled where sampling happens (engine/sampling.py).
     temperature = 1.0 if body.temperature is None else body.temperature
-    if temperature < MIN_TEMPERATURE:  # logits / tiny would overflow: it means greedy (as in vLLM)
-        temperature = 0.0
-    # a top_p that rounds to 0 in float32 would mask every token; any tiny top_p keeps the top one
-    top_p = 1.0 if body.top_p is None else max(body.top_p, MIN_TOP_P)
+    top_p = 1.0 if body.top_p is None else body.top_p
     try:
         params = SamplingParams(
             temperature=temperature, top_p=top_p,
