@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING
 from dspark_server.config import SPEC_MODES, EngineConfig, ServerConfig, SpeculativeConfig
 
 if TYPE_CHECKING:
+    from dspark_server.backends.sglang_args import SGLangConfig
     from dspark_server.offline import GenerateConfig
 
 
@@ -25,7 +26,7 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--threshold", type=float, default=0.5, help="threshold mode's survival cut-off")
     p.add_argument("--profile", default=None, help="SPS cost table JSON")
     p.add_argument("--calibration", default=None, help="STS calibration JSON")
-    p.add_argument("--dtype", default="float32")
+    p.add_argument("--dtype", default=None, help="default: float32 (native), auto (sglang)")
     p.add_argument("--max-model-len", type=int, default=2048)
     p.add_argument("--max-running", type=int, default=64)
     p.add_argument("--max-queued", type=int, default=256)
@@ -34,6 +35,53 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--page-size", type=int, default=16)
     p.add_argument("--num-pages", type=int, default=None)
     p.add_argument("--threads", type=int, default=None, help="torch CPU threads")
+
+
+def _backend_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--backend", choices=("native", "sglang"), default="native",
+                   help="native: the built-in engine (CPU); sglang: SGLang 0.5.23's engine on NVIDIA "
+                        "GPUs (docs/sglang.md)")
+    g = p.add_argument_group("SGLang backend (--backend sglang)")
+    g.add_argument("--tp", type=int, default=1, help="tensor-parallel GPUs")
+    g.add_argument("--mem-fraction", type=float, default=None,
+                   help="GPU memory share for weights + KV cache (SGLang's mem_fraction_static)")
+    g.add_argument("--attention-backend", default=None,
+                   help="SGLang attention backend (fa3, flashinfer, triton, ...)")
+    g.add_argument("--random-seed", type=int, default=None, help="SGLang's server-wide random seed")
+    g.add_argument("--deterministic", action="store_true",
+                   help="SGLang deterministic inference (per-request seeds take effect)")
+    g.add_argument("--sglang-metrics", action="store_true", help="also enable SGLang's own sglang:* metrics")
+    g.add_argument("--sglang-arg", action="append", default=[], metavar="NAME=VALUE",
+                   help="any other SGLang ServerArgs field (repeatable)")
+
+
+def _sglang_config(a: argparse.Namespace, spec_mode: str | None = None) -> SGLangConfig:
+    from dspark_server.assets import default_draft, default_target
+    from dspark_server.backends.sglang_args import SGLangConfig, parse_extra_server_args
+
+    model = a.model or default_target()
+    draft = a.draft if a.draft else (default_draft() if a.model is None else None)
+    mode = spec_mode or a.spec_mode or ("dspark" if draft else "off")
+    try:
+        return SGLangConfig(
+            model_path=model, draft_path=draft if mode != "off" else None, spec_mode=mode, gamma=a.gamma,
+            sps_table_path=a.profile, sts_path=a.calibration, tp_size=a.tp, dtype=a.dtype or "auto",
+            max_model_len=a.max_model_len, max_running=a.max_running, max_queued=a.max_queued,
+            mem_fraction_static=a.mem_fraction, attention_backend=a.attention_backend,
+            random_seed=a.random_seed, deterministic=a.deterministic, enable_metrics=a.sglang_metrics,
+            extra_server_args=parse_extra_server_args(a.sglang_arg))
+    except ValueError as exc:
+        raise SystemExit(f"error: {exc}") from None
+
+
+def _require_sglang() -> None:
+    """Refuse before the port opens, with one line instead of a traceback."""
+    from dspark_server.backends.sglang import SGLangUnavailableError, require_sglang_runtime
+
+    try:
+        require_sglang_runtime()
+    except SGLangUnavailableError as exc:
+        raise SystemExit(f"error: {exc}") from None
 
 
 def _engine_config(a: argparse.Namespace) -> EngineConfig:
@@ -46,7 +94,8 @@ def _engine_config(a: argparse.Namespace) -> EngineConfig:
         raise SystemExit(f"error: --spec-mode {mode} needs a drafter (--draft DIR)")
     spec = SpeculativeConfig(mode=mode, gamma=a.gamma, threshold=a.threshold,
                              profile_path=a.profile, calibration_path=a.calibration)
-    return EngineConfig(model_dir=model, draft_dir=draft if mode != "off" else None, dtype=a.dtype,
+    return EngineConfig(model_dir=model, draft_dir=draft if mode != "off" else None,
+                        dtype=a.dtype or "float32",
                         page_size=a.page_size, num_pages=a.num_pages, max_model_len=a.max_model_len,
                         max_running=a.max_running, max_queued=a.max_queued,
                         max_batch_tokens=a.max_batch_tokens, prefill_chunk=a.prefill_chunk,
@@ -59,11 +108,23 @@ def cmd_serve(a: argparse.Namespace) -> None:
     if a.max_running < 1 or a.max_queued < 0 or a.max_model_len < 2 or a.max_body_bytes < 1024:
         raise SystemExit("error: need --max-running >= 1, --max-queued >= 0, --max-model-len >= 2 "
                          "and --max-body-bytes >= 1024")
-    cfg = _engine_config(a)
+    cfg = _engine_config(a) if a.backend == "native" else None
     server_cfg = ServerConfig(host=a.host, port=a.port,
                               api_key=a.api_key or os.environ.get("DSPARK_API_KEY") or None,
                               served_model_name=a.served_model_name, drain_timeout_s=a.drain_timeout,
                               max_body_bytes=a.max_body_bytes)
+    if a.backend == "sglang":
+        scfg = _sglang_config(a)
+        _require_sglang()
+
+        def make_sglang_backend():  # loader thread, like the native one
+            from dspark_server.backends.sglang import SGLangBackend
+
+            return SGLangBackend(scfg)
+
+        run_server(make_sglang_backend, server_cfg, a.served_model_name or Path(scfg.model_path).name)
+        return
+    assert cfg is not None
     name = a.served_model_name or Path(cfg.model_dir).name
 
     def make_backend():  # runs on a loader thread while the port is already open (/ready: 503)
@@ -92,10 +153,21 @@ def _generate_config(a: argparse.Namespace) -> GenerateConfig:
 
 
 def cmd_profile(a: argparse.Namespace) -> None:
-    from dspark_server.jobs.profile import ProfileConfig, run_profile
+    if a.backend == "sglang":
+        from dspark_server.jobs.profile_sglang import SGLangProfileConfig, run_sglang_profile
 
-    table, out = run_profile(ProfileConfig(engine=_engine_config(a), out=a.out,
-                                           max_batch_tokens=a.max_batch_tokens, repeats=a.repeats))
+        scfg = _sglang_config(a, spec_mode="dspark")  # SGLang's table times its DSpark verify step
+        _require_sglang()
+        sizes = tuple(int(x) for x in a.batch_sizes.split(",")) if a.batch_sizes else None
+        table, out = run_sglang_profile(SGLangProfileConfig(
+            server=scfg, out=a.out, max_batch_size=a.max_running, batch_sizes=sizes,
+            repeats=a.repeats or 1, min_steady_seconds=a.min_steady_seconds))
+    else:
+        from dspark_server.jobs.profile import ProfileConfig, run_profile
+
+        table, out = run_profile(ProfileConfig(engine=_engine_config(a), out=a.out,
+                                               max_batch_tokens=a.max_batch_tokens,
+                                               repeats=a.repeats or 7))
     top = table.max_batch_tokens
     print(f"wrote {out} ({len(table.sample_batch_tokens)} probes, SPS(1) = {table.lookup(1):.1f}, "
           f"SPS({top}) = {table.lookup(top):.1f})")
@@ -154,6 +226,7 @@ def build_parser() -> argparse.ArgumentParser:
                        help="seconds in-flight requests get to finish after SIGTERM")
     serve.add_argument("--max-body-bytes", type=int, default=ServerConfig.max_body_bytes,
                        help="larger request bodies get 413")
+    _backend_args(serve)
     serve.set_defaults(func=cmd_serve)
 
     gen = sub.add_parser("generate", help="offline batch generation from a prompts JSONL file")
@@ -164,7 +237,13 @@ def build_parser() -> argparse.ArgumentParser:
     prof = sub.add_parser("profile", help="measure the SPS cost table of the target on this machine")
     _engine_args(prof)
     prof.add_argument("--out", default=None, help="table JSON (default: profiles/MODEL__CPU__Nt.json)")
-    prof.add_argument("--repeats", type=int, default=7)
+    prof.add_argument("--repeats", type=int, default=None, help="default: 7 (native), 1 (sglang)")
+    _backend_args(prof)
+    prof.add_argument("--batch-sizes", default=None,
+                      help="sglang: running-request counts to sweep, e.g. 1,4,16 (default: SGLang's sweep "
+                           "up to --max-running)")
+    prof.add_argument("--min-steady-seconds", type=float, default=10.0,
+                      help="sglang: seconds each batch size is held at steady state")
     prof.set_defaults(func=cmd_profile, spec_mode="off")
 
     cal = sub.add_parser("calibrate", help="fit STS confidence temperatures from full-γ rounds")
