@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from dspark_server.engine.batch import SeqChunk
+from dspark_server.engine.kv_cache import PageAllocator, PageTable
 from dspark_server.engine.request import Request
 from dspark_server.engine.sampling import SamplingTensors, sample, sample_from_logits, shape_probs
 from dspark_server.engine.scheduler import ScheduledChunk
@@ -127,20 +128,30 @@ class SpeculativeDecoder:
             for observe in self.round_observers:
                 observe(record)
 
-        # 5. Commit: keep x0..x_acc in both caches, emit accepted drafts + corrected/bonus token.
+        # 5. Commit: keep x0..x_acc in both caches (one drafter-context write for the whole step,
+        #    prefill chunks included), then emit accepted drafts + the corrected/bonus token.
+        context_rows = []
         for i, req in enumerate(decodes):
-            ell, acc = lens[i], outcome.accepted[i]
-            a = anchor_pos[i]
-            offset = result.batch.offsets[i]
-            alloc.truncate(req.table, a + acc + 1)
-            self.drafter.write_context(hidden[offset: offset + acc + 1], torch.arange(a, a + acc + 1),
-                                       alloc.slots(req.table, a, a + acc + 1), self.pool)
+            alloc.truncate(req.table, anchor_pos[i] + outcome.accepted[i] + 1)
+            context_rows.append((req.table, result.batch.offsets[i], anchor_pos[i], outcome.accepted[i] + 1))
+        context_rows += [(c.request.table, off, c.start, c.num_tokens)
+                         for c, off in zip(prefills, result.batch.offsets[len(decodes):], strict=True)]
+        self._write_context(alloc, hidden, context_rows)
+        for i, req in enumerate(decodes):
+            acc = outcome.accepted[i]
             new_tokens = drafts.tokens[i, :acc].tolist() + [outcome.next_tokens[i]]
-            engine.commit(req, new_tokens, spec_round=(gamma, ell, acc))
+            engine.commit(req, new_tokens, spec_round=(gamma, lens[i], acc))
+        self._sample_prefills(engine, prefills, logits, logit_starts[len(decodes):])
 
-        # Prefill chunks: their drafter context and, when complete, their first sampled token.
-        self._finish_prefills(engine, prefills, result.batch.offsets[len(decodes):], hidden,
-                              logits, logit_starts[len(decodes):])
+    def _write_context(self, alloc: PageAllocator, hidden: torch.Tensor,
+                       rows: list[tuple[PageTable, int, int, int]]) -> None:
+        """rows: (page table, packed row of the first token, its position, token count)."""
+        if not rows:
+            return
+        packed = torch.cat([torch.arange(off, off + n) for _, off, _, n in rows])
+        positions = torch.cat([torch.arange(pos, pos + n) for _, _, pos, n in rows])
+        slots = torch.cat([alloc.slots(table, pos, pos + n) for table, _, pos, n in rows])
+        self.drafter.write_context(hidden[packed], positions, slots, self.pool)
 
     def sample_drafts(self, decodes: list[Request], block: DraftBlock, anchors: torch.Tensor,
                       sampling: SamplingTensors, generators: Sequence[torch.Generator]) -> Drafts:
@@ -162,23 +173,18 @@ class SpeculativeDecoder:
         conf = self.drafter.confidence_logits(block.hidden[:, : self.gamma], torch.stack(prevs, dim=1))
         return Drafts(torch.stack(tokens, dim=1), torch.stack(probs, dim=1) if probs else None, conf)
 
-    def _finish_prefills(self, engine: LLMEngine, prefills: list[ScheduledChunk], offsets: Sequence[int],
-                         hidden: torch.Tensor, logits: torch.Tensor, logit_starts: Sequence[int]) -> None:
-        sampled = []
-        for c, off, ls in zip(prefills, offsets, logit_starts, strict=True):
-            n, start = c.num_tokens, c.start
-            alloc = engine.runner.allocator
-            self.drafter.write_context(hidden[off: off + n], torch.arange(start, start + n),
-                                       alloc.slots(c.request.table, start, start + n), self.pool)
-            if c.completes:
-                sampled.append((c.request, ls))
-        if sampled:
-            reqs = [r for r, _ in sampled]
-            rows = logits[torch.tensor([ls for _, ls in sampled])]
-            toks = sample_from_logits(rows, SamplingTensors.from_params([r.params for r in reqs]),
-                                      [r.generator for r in reqs])
-            for req, tok in zip(reqs, toks.tolist(), strict=True):
-                engine.commit(req, [tok])
+    def _sample_prefills(self, engine: LLMEngine, prefills: list[ScheduledChunk], logits: torch.Tensor,
+                         logit_starts: Sequence[int]) -> None:
+        """Complete prefill chunks sample their request's next token from their last row."""
+        sampled = [(c.request, ls) for c, ls in zip(prefills, logit_starts, strict=True) if c.completes]
+        if not sampled:
+            return
+        reqs = [r for r, _ in sampled]
+        rows = logits[torch.tensor([ls for _, ls in sampled])]
+        toks = sample_from_logits(rows, SamplingTensors.from_params([r.params for r in reqs]),
+                                  [r.generator for r in reqs])
+        for req, tok in zip(reqs, toks.tolist(), strict=True):
+            engine.commit(req, [tok])
 
 
 def _rows(s: SamplingTensors, i: int, n: int) -> SamplingTensors:

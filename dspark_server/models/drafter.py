@@ -24,7 +24,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.nn.utils.rnn import pad_sequence
 
-from dspark_server.models.attention import KVPool
+from dspark_server.models.attention import KVPool, contiguous_range, gather_slots
 from dspark_server.models.drafter_config import DraftConfig
 from dspark_server.models.drafter_heads import build_confidence_head, build_markov_head
 from dspark_server.models.layers import RMSNorm, RotaryEmbedding, SwiGLU, apply_rotary
@@ -196,10 +196,11 @@ class DSparkDrafter(nn.Module):
                             torch.ones(r, g, dtype=torch.bool)], dim=1)
         mask = key_ok[:, None, None, :]  # [R, 1, 1, Cmax + g]
         hq, hkv, d = self.config.num_attention_heads, self.config.num_key_value_heads, self.config.head_dim
+        kv_range = contiguous_range(ctx.slots[0]) if r == 1 else None
         for i, layer in enumerate(self.layers):
             def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, i: int = i) -> torch.Tensor:
-                kc = pool.k[i][ctx.slots].to(k.dtype)  # [R, Cmax, Hkv, D]
-                vc = pool.v[i][ctx.slots].to(v.dtype)
+                kc = gather_slots(pool.k[i], ctx.slots, kv_range).to(k.dtype)  # [R, Cmax, Hkv, D]
+                vc = gather_slots(pool.v[i], ctx.slots, kv_range).to(v.dtype)
                 kk = torch.cat([kc, k.view(r, g, hkv, d)], dim=1).transpose(1, 2)
                 vv = torch.cat([vc, v.view(r, g, hkv, d)], dim=1).transpose(1, 2)
                 qq = q.view(r, g, hq, d).transpose(1, 2)
