@@ -189,6 +189,12 @@ def cmd_eval_acceptance(a: argparse.Namespace) -> None:
     print(json.dumps(result, indent=2))
 
 
+def cmd_bench(a: argparse.Namespace) -> None:
+    from dspark_server.bench.main import run_bench_command
+
+    raise SystemExit(run_bench_command(a))
+
+
 TRAIN_MODULES = {"target": "target_train", "draft": "draft_train", "demo": "demo"}
 
 
@@ -261,6 +267,14 @@ def build_parser() -> argparse.ArgumentParser:
                      help="bundled demo drafter variant (default: the shipped drafter)")
     acc.add_argument("--out", default=None, help="directory for acceptance.json and acceptance.png")
     acc.set_defaults(func=cmd_eval_acceptance)
+
+    bench = sub.add_parser("bench", help="benchmarks: TPS vs concurrency by mode, peers, oracle replay, "
+                                         "paper figures (docs/benchmarks.md)")
+    _engine_args(bench)  # for --self-host servers and the in-process suites
+    from dspark_server.bench.main import add_bench_args
+
+    add_bench_args(bench)
+    bench.set_defaults(func=cmd_bench)
 
     train = sub.add_parser("train", help="train the demo models (see docs/models.md)")
     train_sub = train.add_subparsers(dest="what", required=True)

@@ -1,0 +1,190 @@
+"""`dspark bench`: flags and dispatch to the suites. Light at import time (the CLI imports it to
+build its parser); each suite imports torch / httpx / transformers only when it runs.
+
+Suites (``--suite``):
+  serving          TPS / latency / acceptance vs concurrency, modes side by side (default)
+  peers            transformers generate() (plain, assisted, prompt lookup) vs our engine, concurrency 1
+  oracle           record full-γ rounds, replay them through the planners and an oracle
+  acceptance       per-position acceptance of several drafters (DSpark vs parallel-only, γ 7 vs 15)
+  threshold-sweep  acceptance rate and tokens per step vs a static threshold, per domain
+  ece              ECE per position before / after STS from a calibration JSON
+  concurrency      TPS and verification budget vs concurrency (from --results, or runs a sweep)
+  paper            every paper figure the given inputs allow, each in its own folder
+  report           markdown page from result JSON files (for docs/benchmarks.md)
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+from typing import Any
+
+DEFAULT_MODES = ("off", "fixed", "threshold", "dspark")
+SUITES = ("serving", "peers", "oracle", "acceptance", "threshold-sweep", "ece", "concurrency", "paper",
+          "report")
+
+log = logging.getLogger(__name__)
+
+
+def add_bench_args(p: argparse.ArgumentParser) -> None:
+    """Flags of `dspark bench` beyond the engine flags the CLI adds (--model, --draft, ...)."""
+    p.description = "Benchmarks. " + __doc__.split("\n\n", 1)[1]
+    p.formatter_class = argparse.RawDescriptionHelpFormatter
+    p.epilog = "Commands for every figure: benchmarks/README.md"
+    g = p.add_argument_group("bench")
+    g.add_argument("--suite", choices=SUITES, default="serving", help="what to measure (default: serving)")
+    where = g.add_mutually_exclusive_group()
+    where.add_argument("--url", action="append", default=None,
+                       help="drive running server(s) (repeat or comma-separate; --modes labels them)")
+    where.add_argument("--self-host", action="store_true",
+                       help="start one `dspark serve` per mode on loopback ports (default without --url)")
+    g.add_argument("--modes", default=None,
+                   help="comma-separated spec modes (default: off,fixed,threshold,dspark; with --url: "
+                        "labels for the servers, default read from their /metrics)")
+    g.add_argument("--concurrency", default="1,4,16,64", help="comma-separated concurrency levels")
+    g.add_argument("--prompts", action="append", default=None,
+                   help='JSONL with {"turns": [...]} per line (repeat or comma-separate for several sets)')
+    g.add_argument("--limit", type=int, default=None, help="prompts per file")
+    g.add_argument("--num-requests", type=int, default=None,
+                   help="requests per run (default: max(prompts, 2 x concurrency); prompts are cycled)")
+    g.add_argument("--max-tokens", type=int, default=128)
+    g.add_argument("--temperature", type=float, default=0.0)
+    g.add_argument("--ignore-eos", action="store_true", help="every request generates --max-tokens")
+    g.add_argument("--request-rate", type=float, default=None,
+                   help="open loop: Poisson arrivals per second (--concurrency caps requests in flight)")
+    g.add_argument("--rounds", type=int, default=1, help="interleaved repetitions of the whole sweep")
+    g.add_argument("--seed", type=int, default=0)
+    g.add_argument("--warmup", type=int, default=2, help="warm-up requests per server (not measured)")
+    g.add_argument("--out", default=None, help="output directory (default: runs/bench/SUITE)")
+    g.add_argument("--server-policy", choices=("auto", "all", "restart"), default="auto",
+                   help="self-host: keep every mode's server up (all) or one at a time (restart)")
+    g.add_argument("--server-arg", action="append", default=None,
+                   help="extra flag for the self-hosted `dspark serve` (repeat; e.g. --server-arg=--x)")
+    g.add_argument("--api-key", default=None, help="Bearer key for --url servers")
+    g.add_argument("--request-timeout", type=float, default=900.0)
+    g.add_argument("--no-plots", action="store_true")
+    g.add_argument("--quiet", action="store_true", help="no progress bar")
+    g.add_argument("--no-assisted", action="store_true", help="peers: skip assisted generation")
+    g.add_argument("--assistant-layers", type=int, default=1,
+                   help="peers: layers of the assistant truncated from the target")
+    g.add_argument("--record-concurrency", type=int, default=8,
+                   help="oracle / threshold-sweep: requests in flight while recording full-γ rounds")
+    g.add_argument("--rounds-file", default=None, help="oracle: replay a recorded rounds.json")
+    g.add_argument("--drafts", default=None, help="acceptance: comma-separated drafter directories")
+    g.add_argument("--labels", default=None, help="acceptance: comma-separated labels for --drafts")
+    g.add_argument("--parallel-draft", default=None,
+                   help="paper: parallel-only drafter (`dspark train draft --head none`) to compare with")
+    g.add_argument("--gamma-drafts", default=None,
+                   help="paper: two drafters 'G7_DIR,G15_DIR' (the second trained with "
+                        "`dspark train draft --gamma 15`)")
+    g.add_argument("--thresholds", default=None, help="threshold-sweep: comma-separated cut-offs")
+    g.add_argument("--results", action="append", default=None,
+                   help="concurrency / report: result JSON file(s) of earlier runs")
+    g.add_argument("--title", default="Benchmarks", help="report: page title")
+
+
+def _prompt_files(a: argparse.Namespace) -> list[str]:
+    from dspark_server.bench.common import BenchError, split_list
+
+    files = [f for item in (a.prompts or []) for f in split_list(item)]
+    if not files:
+        raise BenchError(f"--suite {a.suite} needs --prompts FILE.jsonl")
+    return files
+
+
+def _out(a: argparse.Namespace, name: str) -> str:
+    return a.out or f"runs/bench/{name}"
+
+
+def serving_config(a: argparse.Namespace, out: str | None = None) -> Any:
+    from dspark_server.bench.common import BenchError, command_line, split_ints, split_list
+    from dspark_server.bench.serving import ServingConfig, server_args_from_namespace
+
+    concurrency = split_ints(a.concurrency)
+    urls = [u for item in (a.url or []) for u in split_list(item)]
+    modes = split_list(a.modes) if a.modes else ([] if urls else list(DEFAULT_MODES))
+    if not urls:
+        from dspark_server.config import SPEC_MODES
+
+        bad = [m for m in modes if m not in SPEC_MODES]
+        if bad or not modes:
+            raise BenchError(f"--modes must be a comma-separated subset of {SPEC_MODES}, got {a.modes!r}")
+    return ServingConfig(
+        prompt_files=tuple(_prompt_files(a)), concurrency=tuple(concurrency), out=out or _out(a, "serving"),
+        modes=tuple(modes), urls=tuple(urls), limit=a.limit, num_requests=a.num_requests,
+        max_tokens=a.max_tokens, temperature=a.temperature, ignore_eos=a.ignore_eos,
+        request_rate=a.request_rate, rounds=a.rounds, seed=a.seed, warmup_requests=a.warmup,
+        server_args=tuple(server_args_from_namespace(a, max(concurrency))) if not urls else (),
+        server_policy=a.server_policy, api_key=a.api_key, request_timeout_s=a.request_timeout,
+        progress=not a.quiet, plots=not a.no_plots, command=command_line(getattr(a, "argv", None)))
+
+
+def run_bench_command(a: argparse.Namespace) -> int:
+    """Entry point of `dspark bench`; returns the exit code (1 with a message on BenchError)."""
+    from dspark_server.bench.common import BenchError
+
+    try:
+        _dispatch(a)
+    except BenchError as exc:
+        print(f"dspark bench: error: {exc}", file=sys.stderr)
+        return 1
+    return 0
+
+
+def _dispatch(a: argparse.Namespace) -> None:
+    suite = a.suite
+    if suite == "serving":
+        from dspark_server.bench.report import serving_markdown
+        from dspark_server.bench.serving import run_serving
+
+        cfg = serving_config(a)
+        result = run_serving(cfg)
+        print(serving_markdown(result))
+        print(f"wrote {cfg.out}/results.json", file=sys.stderr)
+    elif suite == "peers":
+        from dspark_server.bench.peers import run_peers_command
+
+        run_peers_command(a, _prompt_files(a), _out(a, "peers"))
+    elif suite == "oracle":
+        from dspark_server.bench.oracle import run_oracle_command
+
+        run_oracle_command(a, _prompt_files(a) if not a.rounds_file else [], _out(a, "oracle"))
+    elif suite == "acceptance":
+        from dspark_server.bench.paper import run_acceptance_command
+
+        run_acceptance_command(a, _prompt_files(a), _out(a, "acceptance"))
+    elif suite == "threshold-sweep":
+        from dspark_server.bench.paper import run_threshold_command
+
+        run_threshold_command(a, _prompt_files(a), _out(a, "threshold_sweep"))
+    elif suite == "ece":
+        from dspark_server.bench.paper import run_ece_command
+
+        run_ece_command(a, _out(a, "ece"))
+    elif suite == "concurrency":
+        from dspark_server.bench.paper import run_concurrency_command
+
+        run_concurrency_command(a, _out(a, "concurrency"))
+    elif suite == "paper":
+        from dspark_server.bench.paper import run_paper_suite
+
+        run_paper_suite(a, _out(a, "paper"))
+    elif suite == "report":
+        from dspark_server.bench.common import BenchError, split_list
+        from dspark_server.bench.report import write_report
+
+        files = [f for item in (a.results or []) for f in split_list(item)]
+        if not files:
+            raise BenchError("--suite report needs --results FILE.json (repeatable)")
+        out = write_report(files, a.out or "runs/bench/benchmarks.md", title=a.title)
+        print(f"wrote {out}", file=sys.stderr)
+
+
+def main(argv: list[str]) -> int:
+    """`dspark bench ARGS` in-process (tests): the command line is recorded as given."""
+    from dspark_server.cli import build_parser
+
+    a = build_parser().parse_args(["bench", *argv])
+    a.argv = ["bench", *argv]
+    return run_bench_command(a)

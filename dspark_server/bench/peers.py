@@ -1,0 +1,219 @@
+"""Peer comparison at concurrency 1: our engine vs what a CPU user would otherwise run on the
+same checkpoint — Hugging Face ``transformers`` ``generate()``.
+
+    dspark bench --suite peers --prompts humaneval.jsonl --limit 20 --max-tokens 128 \\
+        [--model DIR --draft DIR --profile SPS.json] --modes off,dspark --out runs/bench/peers
+
+Systems (all in this process, same torch threads, same prompt token ids from the target's chat
+template, greedy, EOS honoured unless ``--ignore-eos``):
+  * ``hf_generate``: plain ``model.generate`` with its KV cache;
+  * ``hf_assisted``: assisted generation with an assistant made by truncating the target to its
+    first ``--assistant-layers`` decoder layers (same embeddings, final norm and LM head; the
+    only small model sharing the tokenizer that can be made without training);
+  * ``hf_prompt_lookup``: prompt-lookup decoding (n-gram drafts copied from the prompt, no
+    assistant model), transformers' other built-in speculative path;
+  * ``ours_MODE`` for every ``--modes`` entry: our engine through its own API, one request at
+    a time.
+Systems run each prompt in turn (interleaved), ``--rounds`` times; tokens/s = generated token
+ids / wall seconds (prefill included) summed over prompts. Ratios are ours / theirs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import sys
+import time
+from dataclasses import replace
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from dspark_server.bench.common import (
+    BenchError,
+    command_line,
+    load_prompt_sets,
+    machine_info,
+    pyplot,
+    split_list,
+    write_json,
+)
+
+
+def _truncated_assistant(model_dir: str, layers: int) -> Any:
+    import transformers
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    cfg = AutoConfig.from_pretrained(model_dir)
+    if not 1 <= layers < cfg.num_hidden_layers:
+        raise BenchError(f"--assistant-layers must be in 1..{cfg.num_hidden_layers - 1}, got {layers}")
+    cfg.num_hidden_layers = layers
+    if getattr(cfg, "layer_types", None):
+        cfg.layer_types = cfg.layer_types[:layers]
+    verbosity = transformers.logging.get_verbosity()
+    transformers.logging.set_verbosity_error()  # the dropped layers' weights are "unexpected"
+    try:
+        return AutoModelForCausalLM.from_pretrained(model_dir, config=cfg, dtype=torch.float32).eval()
+    finally:
+        transformers.logging.set_verbosity(verbosity)
+
+
+class HFSystem:
+    def __init__(self, name: str, description: str, model: Any, max_tokens: int, ignore_eos: bool,
+                 **generate_kwargs: Any) -> None:
+        self.name, self.description = name, description
+        self.model = model
+        self.kwargs = dict(max_new_tokens=max_tokens, do_sample=False, **generate_kwargs)
+        if ignore_eos:
+            self.kwargs["eos_token_id"] = None
+            model.generation_config.eos_token_id = None
+        pad = model.generation_config.pad_token_id
+        self.kwargs["pad_token_id"] = pad if pad is not None else 0
+
+    @torch.inference_mode()
+    def run(self, ids: list[int]) -> tuple[list[int], float]:
+        x = torch.tensor([ids])
+        t0 = time.perf_counter()
+        out = self.model.generate(x, attention_mask=torch.ones_like(x), **self.kwargs)
+        seconds = time.perf_counter() - t0
+        return out[0, len(ids):].tolist(), seconds
+
+
+class OurSystem:
+    def __init__(self, mode: str, engine: Any, max_tokens: int, ignore_eos: bool) -> None:
+        from dspark_server.engine.request import SamplingParams
+
+        self.name = f"ours_{mode}"
+        self.description = f"dspark-server engine, --spec-mode {mode}"
+        self.engine = engine
+        self.params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=ignore_eos)
+        self._n = 0
+
+    def run(self, ids: list[int]) -> tuple[list[int], float]:
+        tokens: list[int] = []
+        finished: list[Any] = []
+
+        def sink(out: Any) -> None:
+            tokens.extend(out.new_token_ids)
+            if out.finished:
+                finished.append(out)
+
+        self._n += 1
+        t0 = time.perf_counter()
+        self.engine.add_request(f"peer-{self._n}", ids, self.params, sink)
+        while not finished:
+            self.engine.step()
+        seconds = time.perf_counter() - t0
+        if finished[0].error:
+            raise BenchError(f"{self.name} failed: {finished[0].error}")
+        return tokens, seconds
+
+
+def run_peers_command(a: argparse.Namespace, prompt_files: list[str], out: str) -> dict[str, Any]:
+    from dspark_server.cli import _engine_config
+    from dspark_server.engine.engine import LLMEngine
+
+    if a.threads:
+        torch.set_num_threads(a.threads)
+    sets = load_prompt_sets(prompt_files, a.limit)
+    base = _engine_config(a)
+    modes = split_list(a.modes) or ["off", "dspark"]
+    systems: list[Any] = []
+    engine = None
+    for mode in modes:
+        if mode != "off" and base.draft_dir is None:
+            raise BenchError(f"mode {mode} needs a drafter (--draft DIR)")
+        cfg = replace(base, spec=replace(base.spec, mode=mode),
+                      draft_dir=base.draft_dir if mode != "off" else None, max_running=4)
+        engine = LLMEngine(cfg)
+        systems.append(OurSystem(mode, engine, a.max_tokens, a.ignore_eos))
+    assert engine is not None
+    tokenizer = engine.tokenizer
+    import transformers
+    from transformers import AutoModelForCausalLM
+
+    transformers.logging.set_verbosity_error()
+    transformers.utils.logging.disable_progress_bar()
+    target = AutoModelForCausalLM.from_pretrained(base.model_dir, dtype=torch.float32).eval()
+    hf = [HFSystem("hf_generate", "transformers generate(), greedy, KV cache", target, a.max_tokens,
+                   a.ignore_eos)]
+    notes = []
+    if not a.no_assisted:
+        try:
+            assistant = _truncated_assistant(base.model_dir, a.assistant_layers)
+            hf.append(HFSystem("hf_assisted", f"transformers assisted generation, assistant = target "
+                               f"truncated to {a.assistant_layers} layer(s)", target, a.max_tokens,
+                               a.ignore_eos, assistant_model=assistant))
+        except (BenchError, ValueError, OSError) as exc:
+            notes.append(f"no assisted generation: {exc}")
+    hf.append(HFSystem("hf_prompt_lookup", "transformers prompt-lookup decoding (10-token n-gram drafts)",
+                       target, a.max_tokens, a.ignore_eos, prompt_lookup_num_tokens=10))
+    systems = hf + systems
+    prompts = [(ps.name, tokenizer.encode_chat([{"role": "user", "content": p}]))
+               for ps in sets for p in ps.prompts]
+    for s in systems:  # warm-up: first-call allocations, lazy inits
+        s.run(prompts[0][1][:32])
+    totals = {s.name: {"tokens": 0, "seconds": 0.0} for s in systems}
+    outputs: dict[str, list[list[int]]] = {s.name: [] for s in systems}
+    from tqdm import tqdm
+
+    with tqdm(total=a.rounds * len(prompts) * len(systems), desc="peers", unit="gen",
+              disable=a.quiet, file=sys.stderr) as bar:
+        for rnd in range(a.rounds):
+            order = systems[rnd % len(systems):] + systems[: rnd % len(systems)]
+            for _, ids in prompts:
+                for s in order:
+                    toks, secs = s.run(ids)
+                    totals[s.name]["tokens"] += len(toks)
+                    totals[s.name]["seconds"] += secs
+                    if rnd == 0:
+                        outputs[s.name].append(toks)
+                    bar.update(1)
+    rows = []
+    for s in systems:
+        t = totals[s.name]
+        rows.append({"system": s.name, "description": s.description, "tokens": t["tokens"],
+                     "seconds": t["seconds"], "tokens_per_s": t["tokens"] / t["seconds"]})
+    tps = {r["system"]: r["tokens_per_s"] for r in rows}
+    ratios = {f"{o.name} / {h.name}": tps[o.name] / tps[h.name]
+              for o in systems if isinstance(o, OurSystem) for h in hf}
+    ref = outputs["hf_generate"]
+    agreement = {s.name: sum(x == y for x, y in zip(outputs[s.name], ref, strict=True)) / len(ref)
+                 for s in systems if s.name != "hf_generate"}
+    notes.append("share of prompts whose greedy output equals hf_generate's token for token: "
+                 + ", ".join(f"{k} {v:.0%}" for k, v in agreement.items())
+                 + " (float32 rounding can flip near-ties; speculation itself is lossless)")
+    result = {
+        "kind": "peers", "machine": machine_info(),
+        "config": {"command": command_line(getattr(a, "argv", None)), "model": base.model_dir,
+                   "draft": base.draft_dir, "prompt_sets": {ps.name: ps.path for ps in sets},
+                   "num_prompts": len(prompts), "max_tokens": a.max_tokens, "rounds": a.rounds,
+                   "ignore_eos": a.ignore_eos, "assistant_layers": a.assistant_layers},
+        "systems": rows, "ratios": ratios, "output_agreement_with_hf_generate": agreement, "notes": notes,
+    }
+    out_dir = Path(out)
+    write_json(out_dir / "peers.json", result)
+    from dspark_server.bench.report import peers_markdown
+
+    (out_dir / "peers.md").write_text(peers_markdown(result))
+    if not a.no_plots:
+        _plot(rows, out_dir / "peers.png")
+    print(peers_markdown(result))
+    return result
+
+
+def _plot(rows: list[dict[str, Any]], path: Path) -> None:
+    plt = pyplot()
+    fig, ax = plt.subplots(figsize=(1.5 + 1.2 * len(rows), 3.6))
+    colors = ["tab:gray" if r["system"].startswith("hf") else "tab:red" for r in rows]
+    ax.bar([r["system"] for r in rows], [r["tokens_per_s"] for r in rows], color=colors)
+    for i, r in enumerate(rows):
+        if math.isfinite(r["tokens_per_s"]):
+            ax.text(i, r["tokens_per_s"], f"{r['tokens_per_s']:.0f}", ha="center", va="bottom", fontsize=8)
+    ax.set_ylabel("tokens/s (concurrency 1)")
+    ax.tick_params(axis="x", labelrotation=20, labelsize=8)
+    ax.grid(alpha=0.3, axis="y")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)

@@ -1,0 +1,373 @@
+"""Plots and markdown tables from the bench suites' JSON, so docs/benchmarks.md is generated.
+
+    dspark bench --suite report --results runs/bench/results.json,runs/peers/peers.json \\
+        --out docs/benchmarks.md
+
+Every table carries the machine it ran on and the exact command that produced it.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from dspark_server.bench.common import pyplot
+
+MODE_ORDER = ("off", "fixed", "threshold", "dspark", "dspark_budget")
+MODE_COLORS = {"off": "tab:gray", "fixed": "tab:blue", "threshold": "tab:orange", "dspark": "tab:red",
+               "dspark_budget": "tab:purple", "oracle": "black"}
+
+
+def _fmt(x: Any, digits: int = 2, scale: float = 1.0) -> str:
+    if x is None or (isinstance(x, float) and not math.isfinite(x)):
+        return "–"
+    if isinstance(x, int) and scale == 1.0:
+        return str(x)
+    return f"{x * scale:.{digits}f}"
+
+
+def _table(header: Sequence[str], rows: Sequence[Sequence[str]]) -> str:
+    lines = ["| " + " | ".join(header) + " |", "| " + " | ".join("---" for _ in header) + " |"]
+    lines += ["| " + " | ".join(r) + " |" for r in rows]
+    return "\n".join(lines)
+
+
+def machine_line(machine: dict[str, Any]) -> str:
+    parts = [f"{machine.get('cpu', '?')}", f"{machine.get('cores', '?')} cores"]
+    if machine.get("memory_gib"):
+        parts.append(f"{machine['memory_gib']} GiB RAM")
+    if machine.get("torch"):
+        parts.append(f"torch {machine['torch']}")
+    if machine.get("git_commit"):
+        parts.append(f"commit {machine['git_commit']}")
+    if machine.get("load_average_1m") is not None:
+        parts.append(f"load {machine['load_average_1m']} at start")
+    return "Machine: " + ", ".join(parts) + "."
+
+
+def _mode_key(mode: str) -> tuple[int, str]:
+    return (MODE_ORDER.index(mode) if mode in MODE_ORDER else len(MODE_ORDER), mode)
+
+
+# ---------------------------------------------------------------------------------------------
+# Serving sweep
+
+
+def serving_goals(result: dict[str, Any]) -> list[str]:
+    """Issue D's goals, per prompt set, where the sweep has the runs to judge them."""
+    lines = []
+    runs = result["runs"]
+    for ps in dict.fromkeys(r["prompt_set"] for r in runs):
+        def row(mode: str, c: int, ps: str = ps) -> dict[str, Any] | None:
+            return next((r for r in runs if r["prompt_set"] == ps and r["mode"] == mode
+                         and r["concurrency"] == c), None)
+
+        levels = sorted({r["concurrency"] for r in runs if r["prompt_set"] == ps})
+        checks = [(1, "off", 2.0), (64, "off", 1.1), (64, "fixed", 1.15)]
+        for c, base, goal in checks:
+            ours, ref = row("dspark", c), row(base, c)
+            if ours and ref and ref["output_tokens_per_s"]:
+                ratio = ours["output_tokens_per_s"] / ref["output_tokens_per_s"]
+                lines.append(f"{ps}: dspark / {base} at concurrency {c} = {ratio:.2f}× (goal ≥ {goal}×: "
+                             f"{'met' if ratio >= goal else 'missed'})")
+        spec = [row("dspark", c) for c in levels]
+        vals = [r["mean_verified_drafts_per_request_step"] for r in spec if r]
+        if len(vals) >= 2:
+            shrinking = all(b <= a + 1e-9 for a, b in zip(vals, vals[1:], strict=False))
+            lines.append(f"{ps}: dspark verified drafts per request per step "
+                         f"{' → '.join(f'{v:.2f}' for v in vals)} over concurrency "
+                         f"{', '.join(map(str, levels))} ({'shrinking' if shrinking else 'not monotone'})")
+    return lines
+
+
+def serving_markdown(result: dict[str, Any], title: str = "Serving sweep") -> str:
+    cfg = result["config"]
+    out = [f"## {title}", "", machine_line(result["machine"]), "",
+           f"Command: `{cfg.get('command') or 'dspark bench'}`", "",
+           f"{cfg['max_tokens']} max output tokens, temperature {cfg['temperature']}, "
+           + (f"Poisson arrivals at {cfg['request_rate']} req/s, " if cfg.get("request_rate")
+              else "closed loop, ")
+           + f"{cfg['rounds']} interleaved round(s), median output tokens/s over rounds; "
+           "τ = tokens emitted per speculative round (mean acceptance length, bonus included); "
+           "verified = draft tokens verified per request per step; budget = Σℓ per step.", ""]
+    header = ["mode", "conc.", "output tok/s", "× off", "× fixed", "req/s", "τ", "verified / req / step",
+              "budget / step", "TTFT p50 (s)", "TPOT p50 (ms)", "ITL p50 (ms)", "e2e p50 (s)",
+              "e2e p99 (s)", "errors"]
+    for ps in dict.fromkeys(r["prompt_set"] for r in result["runs"]):
+        rows = sorted((r for r in result["runs"] if r["prompt_set"] == ps),
+                      key=lambda r: (r["concurrency"], _mode_key(r["mode"])))
+        n = cfg.get("prompts_per_set", {}).get(ps)
+        out += [f"### {ps}" + (f" ({n} prompts)" if n else ""), ""]
+        out.append(_table(header, [[
+            r["mode"], str(r["concurrency"]), _fmt(r["output_tokens_per_s"], 1),
+            _fmt(r.get("speedup_vs_off")), _fmt(r.get("speedup_vs_fixed")), _fmt(r["requests_per_s"], 3),
+            _fmt(r["mean_acceptance_length"]), _fmt(r["mean_verified_drafts_per_request_step"]),
+            _fmt(r["mean_verify_budget_per_step"], 1), _fmt(r["ttft_p50_s"], 3),
+            _fmt(r["tpot_p50_s"], 1, 1e3),
+            _fmt(r["itl_p50_s"], 1, 1e3), _fmt(r["e2e_p50_s"], 2), _fmt(r["e2e_p99_s"], 2), str(r["errors"]),
+        ] for r in rows]))
+        out.append("")
+    goals = serving_goals(result)
+    if goals:
+        out += ["Goals (issue D):", ""] + [f"- {g}" for g in goals] + [""]
+    return "\n".join(out)
+
+
+def plot_serving(result: dict[str, Any], out_dir: Path) -> list[Path]:
+    plt = pyplot()
+    runs = result["runs"]
+    sets = list(dict.fromkeys(r["prompt_set"] for r in runs))
+    modes = sorted(dict.fromkeys(r["mode"] for r in runs), key=_mode_key)
+    styles = ["-", "--", ":", "-."]
+    paths = []
+
+    def series(ps: str, mode: str, key: str) -> tuple[list[int], list[float]]:
+        rows = sorted((r for r in runs if r["prompt_set"] == ps and r["mode"] == mode),
+                      key=lambda r: r["concurrency"])
+        return [r["concurrency"] for r in rows], [r[key] if r[key] is not None else math.nan for r in rows]
+
+    # TPS vs concurrency, one panel per prompt set.
+    fig, axes = plt.subplots(1, len(sets), figsize=(5.2 * len(sets), 3.8), squeeze=False)
+    for ax, ps in zip(axes[0], sets, strict=True):
+        for mode in modes:
+            xs, ys = series(ps, mode, "output_tokens_per_s")
+            ax.plot(xs, ys, marker="o", label=mode, color=MODE_COLORS.get(mode))
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel("concurrent requests")
+        ax.set_ylabel("output tokens/s")
+        ax.set_title(ps)
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=8)
+    fig.tight_layout()
+    paths.append(out_dir / "tps_vs_concurrency.png")
+    fig.savefig(paths[-1], dpi=120)
+    plt.close(fig)
+
+    # Verification: per request and per step.
+    fig, axes = plt.subplots(1, 2, figsize=(10.5, 3.8))
+    for mode in modes:
+        if mode == "off":
+            continue
+        for j, ps in enumerate(sets):
+            label = mode if len(sets) == 1 else f"{mode} ({ps})"
+            for ax, key in zip(axes, ("mean_verified_drafts_per_request_step", "mean_verify_budget_per_step"),
+                               strict=True):
+                xs, ys = series(ps, mode, key)
+                ax.plot(xs, ys, marker="o", linestyle=styles[j % len(styles)], label=label,
+                        color=MODE_COLORS.get(mode))
+    for ax, ylabel in zip(axes, ("verified drafts per request per step", "verification budget per step (Σℓ)"),
+                          strict=True):
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel("concurrent requests")
+        ax.set_ylabel(ylabel)
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=7)
+    fig.tight_layout()
+    paths.append(out_dir / "verified_drafts_vs_concurrency.png")
+    fig.savefig(paths[-1], dpi=120)
+    plt.close(fig)
+
+    # Latency.
+    fig, axes = plt.subplots(1, 2, figsize=(10.5, 3.8))
+    for mode in modes:
+        for j, ps in enumerate(sets):
+            label = mode if len(sets) == 1 else f"{mode} ({ps})"
+            for ax, key in zip(axes, ("tpot_p50_s", "ttft_p50_s"), strict=True):
+                xs, ys = series(ps, mode, key)
+                ax.plot(xs, [y * 1e3 for y in ys], marker="o", linestyle=styles[j % len(styles)],
+                        label=label, color=MODE_COLORS.get(mode))
+    for ax, ylabel in zip(axes, ("TPOT p50 (ms)", "TTFT p50 (ms)"), strict=True):
+        ax.set_xscale("log", base=2)
+        ax.set_yscale("log")
+        ax.set_xlabel("concurrent requests")
+        ax.set_ylabel(ylabel)
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=7)
+    fig.tight_layout()
+    paths.append(out_dir / "latency_vs_concurrency.png")
+    fig.savefig(paths[-1], dpi=120)
+    plt.close(fig)
+
+    # τ per prompt set (at the lowest concurrency, where no planner is squeezed by load).
+    if len(sets) > 1:
+        spec_modes = [m for m in modes if m != "off"]
+        c0 = min(r["concurrency"] for r in runs)
+        fig, ax = plt.subplots(figsize=(1.6 + 1.4 * len(sets) * max(1, len(spec_modes)) / 2, 3.6))
+        width = 0.8 / max(1, len(spec_modes))
+        for k, mode in enumerate(spec_modes):
+            ys = [next((r["mean_acceptance_length"] for r in runs if r["prompt_set"] == ps
+                        and r["mode"] == mode and r["concurrency"] == c0), math.nan) for ps in sets]
+            ax.bar([i + k * width for i in range(len(sets))], ys, width, label=mode,
+                   color=MODE_COLORS.get(mode))
+        ax.set_xticks([i + width * (len(spec_modes) - 1) / 2 for i in range(len(sets))], sets)
+        ax.set_ylabel(f"τ (tokens per round), concurrency {c0}")
+        ax.grid(alpha=0.3, axis="y")
+        ax.legend(fontsize=8)
+        fig.tight_layout()
+        paths.append(out_dir / "tau_per_prompt_set.png")
+        fig.savefig(paths[-1], dpi=120)
+        plt.close(fig)
+    return paths
+
+
+# ---------------------------------------------------------------------------------------------
+# Other suites
+
+
+def peers_markdown(result: dict[str, Any]) -> str:
+    out = ["## Peer comparison (concurrency 1)", "", machine_line(result["machine"]), "",
+           f"Command: `{result['config'].get('command', '')}`", "",
+           f"{result['config']['num_prompts']} prompts × {result['config']['rounds']} round(s), "
+           f"{result['config']['max_tokens']} max new tokens, greedy; each system runs every prompt in turn "
+           "(interleaved), tokens counted from token ids.", ""]
+    rows = [[s["system"], s["description"], _fmt(s["tokens_per_s"], 1), str(s["tokens"]),
+             _fmt(s["seconds"], 1)] for s in result["systems"]]
+    out.append(_table(["system", "what", "tokens/s", "tokens", "seconds"], rows))
+    out.append("")
+    if result.get("ratios"):
+        out += ["Ratios (ours / theirs):", ""]
+        out += [f"- {k}: {_fmt(v)}×" for k, v in result["ratios"].items()]
+        out.append("")
+    for note in result.get("notes", []):
+        out.append(f"Note: {note}")
+    return "\n".join(out) + "\n"
+
+
+def oracle_markdown(result: dict[str, Any]) -> str:
+    cfg = result["config"]
+    out = ["## Oracle replay", "", machine_line(result["machine"]), "",
+           f"Command: `{cfg.get('command', '')}`", "",
+           f"{result['recorded']['requests']} requests, {result['recorded']['rounds']} full-γ rounds "
+           f"(γ = {result['recorded']['gamma']}) recorded on {', '.join(cfg['prompt_sets'])}; replayed "
+           "through each planner with the same SPS table; Θ = realised tokens per second under the SPS "
+           "cost model; ratio = Θ / Θ(oracle).", ""]
+    planners = [p for p in result["planners"] if p != "oracle"]
+    header = ["concurrency"] + [f"{p} Θ/oracle" for p in planners] + ["oracle Θ (tok/s)"] + \
+             [f"{p} ℓ̄" for p in planners + ["oracle"]]
+    rows = []
+    for rep in result["replays"]:
+        ps = rep["planners"]
+        rows.append([str(rep["concurrency"])] + [_fmt(ps[p]["ratio_to_oracle"], 3) for p in planners]
+                    + [_fmt(ps["oracle"]["throughput"], 1)]
+                    + [_fmt(ps[p]["mean_verify_len"]) for p in planners + ["oracle"]])
+    out.append(_table(header, rows))
+    out.append("")
+    return "\n".join(out)
+
+
+def acceptance_markdown(result: dict[str, Any]) -> str:
+    out = [f"## {result.get('title', 'Per-position acceptance')}", "", machine_line(result["machine"]), "",
+           f"Command: `{result['config'].get('command', '')}`", ""]
+    for ps, entries in result["results"].items():
+        gamma = max(e["gamma"] for e in entries)
+        out += [f"### {ps}", ""]
+        header = ["drafter", "γ", "τ", "rounds"] + [f"p{k}" for k in range(1, gamma + 1)]
+        rows = [[e["label"], str(e["gamma"]), _fmt(e["mean_acceptance_length"]), str(e["rounds"])]
+                + [_fmt(x) for x in e["per_position_conditional_acceptance"]]
+                + ["" for _ in range(gamma - e["gamma"])] for e in entries]
+        out += [_table(header, rows), ""]
+    out.append("p_k = P(draft k accepted | drafts 1..k−1 accepted), full-γ verification; τ = tokens "
+               "per round, bonus included.")
+    return "\n".join(out) + "\n"
+
+
+def threshold_markdown(result: dict[str, Any]) -> str:
+    out = ["## Fixed-threshold sweep", "", machine_line(result["machine"]), "",
+           f"Command: `{result['config'].get('command', '')}`", "",
+           "Replayed on recorded full-γ rounds: ℓ = largest j with calibrated prefix survival ≥ t; "
+           "acceptance rate = accepted / verified drafts; tokens per step = emitted tokens per request "
+           "per step (accepted + 1).", ""]
+    for ps, rows in result["domains"].items():
+        out += [f"### {ps}", ""]
+        out += [_table(["threshold", "acceptance rate", "tokens / step", "mean ℓ"],
+                       [[_fmt(r["threshold"]), _fmt(r["acceptance_rate"], 3), _fmt(r["tokens_per_step"], 3),
+                         _fmt(r["mean_verify_len"])] for r in rows]), ""]
+    return "\n".join(out)
+
+
+def ece_markdown(result: dict[str, Any]) -> str:
+    before, after = result["ece_before"], result["ece_after"]
+    out = ["## ECE per position before / after STS", "",
+           f"Calibration file `{result['calibration']}` ({result.get('num_samples')} rounds of "
+           f"{result.get('dataset')}).", ""]
+    out.append(_table(["position"] + [str(k + 1) for k in range(len(before))],
+                      [["ECE before (%)"] + [_fmt(x, 2, 100) for x in before],
+                       ["ECE after (%)"] + [_fmt(x, 2, 100) for x in after],
+                       ["temperature"] + [_fmt(x, 3) for x in result["temperatures"]]]))
+    out.append("")
+    return "\n".join(out)
+
+
+def concurrency_markdown(result: dict[str, Any]) -> str:
+    out = ["## TPS and verification budget vs concurrency", "", machine_line(result["machine"]), "",
+           f"Command: `{result['config'].get('command', '')}` (from `{result.get('source')}`)", ""]
+    rows = sorted(result["series"], key=lambda r: (r["prompt_set"], r["concurrency"], _mode_key(r["mode"])))
+    header = ["prompt set", "mode", "conc.", "output tok/s", "budget / step", "verified / req / step", "τ"]
+    out.append(_table(header, [[r["prompt_set"], r["mode"], str(r["concurrency"]),
+                                _fmt(r["output_tokens_per_s"], 1), _fmt(r["mean_verify_budget_per_step"], 1),
+                                _fmt(r["mean_verified_drafts_per_request_step"]),
+                                _fmt(r["mean_acceptance_length"])] for r in rows]))
+    return "\n".join(out) + "\n"
+
+
+def paper_index_markdown(result: dict[str, Any]) -> str:
+    out = ["## Paper figures", "", f"Command: `{result.get('command', '')}`", ""]
+    out += [f"- {k}: `{v}`" for k, v in result["figures"].items()]
+    out += [f"- {k}: not made ({v})" for k, v in result["skipped"].items()]
+    return "\n".join(out) + "\n"
+
+
+RENDERERS = {"serving": serving_markdown, "peers": peers_markdown, "oracle": oracle_markdown,
+             "acceptance": acceptance_markdown, "threshold_sweep": threshold_markdown, "ece": ece_markdown,
+             "concurrency": concurrency_markdown, "paper_index": paper_index_markdown}
+
+
+def kind_of(result: dict[str, Any]) -> str:
+    if "kind" in result:
+        return result["kind"]
+    if "runs" in result and "config" in result:
+        return "serving"
+    raise ValueError("not a dspark bench result (no 'kind' and no 'runs')")
+
+
+def render(result: dict[str, Any]) -> str:
+    kind = kind_of(result)
+    if kind == "serving":
+        return serving_markdown(result)
+    return RENDERERS[kind](result)
+
+
+def write_report(result_paths: Sequence[str], out: str | Path, title: str = "Benchmarks") -> Path:
+    """One markdown page from several result JSON files (any suite), in the order given.
+
+    Each JSON and the PNGs beside it are copied into a folder named after the page
+    (docs/benchmarks.md -> docs/benchmarks/NN-KIND/), so the page and its figures can be committed
+    while runs/ stays ignored."""
+    import shutil
+
+    out = Path(out)
+    assets = out.with_suffix("")
+    parts = [f"# {title}", "",
+             "Generated by `dspark bench --suite report` from the result files below (copied, with "
+             f"their figures, into `{assets.name}/`); do not edit by hand: rerun the commands shown.", ""]
+    for i, p in enumerate(result_paths, 1):
+        path = Path(p)
+        result = json.loads(path.read_text())
+        kind = kind_of(result)
+        dest = assets / f"{i:02d}-{kind}"
+        if dest.exists():
+            shutil.rmtree(dest)
+        dest.mkdir(parents=True)
+        shutil.copy2(path, dest / path.name)
+        parts.append(render(result))
+        for png in sorted(path.parent.glob("*.png")):
+            shutil.copy2(png, dest / png.name)
+            parts.append(f"![{png.stem}]({assets.name}/{dest.name}/{png.name})")
+        data = f"{assets.name}/{dest.name}/{path.name}"
+        parts += ["", f"_Data: [`{data}`]({data})_", ""]
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text("\n".join(parts))
+    return out
