@@ -260,3 +260,14 @@ def test_live_table_concurrent_record_and_read(table: SpsCostTable) -> None:
         th.join()
     assert not errors
     assert sum(p.num_samples for p in live.curve()) == 3 * 16
+
+
+def test_monotone_envelope_removes_noise_rises_and_keeps_the_best_rate() -> None:
+    from dspark_server.planner import monotone_envelope
+
+    t = SpsCostTable((1, 2, 4, 8, 16), (100.0, 80.0, 90.0, 70.0, 75.0), 16)
+    env = monotone_envelope(t)
+    assert env.sample_steps_per_sec == (100.0, 90.0, 90.0, 75.0, 75.0)
+    assert env.sample_batch_tokens == t.sample_batch_tokens
+    steps = env.sample_steps_per_sec
+    assert all(a >= b for a, b in zip(steps, steps[1:], strict=False))

@@ -20,7 +20,7 @@ import torch
 from dspark_server.engine.batch import SeqChunk
 from dspark_server.engine.kv_cache import PageTable
 from dspark_server.engine.model_runner import ModelRunner
-from dspark_server.planner import SpsCostTable, build_sps_table, probe_batch_sizes
+from dspark_server.planner import SpsCostTable, build_sps_table, monotone_envelope, probe_batch_sizes
 
 log = logging.getLogger(__name__)
 
@@ -28,7 +28,8 @@ log = logging.getLogger(__name__)
 def profile_sps(runner: ModelRunner, max_batch_tokens: int, block: int = 8, context: int = 128,
                 repeats: int = 5, warmup: int = 2, time_budget_s: float | None = None,
                 progress: Callable[[int, int], None] | None = None) -> SpsCostTable:
-    """Median step time per probe -> ``SpsCostTable``. Stops adding probes past the time budget."""
+    """Median step time per probe -> ``SpsCostTable`` (monotone envelope: see ``monotone_envelope``).
+    Stops adding probes past the time budget."""
     probes = probe_batch_sizes(max_batch_tokens)
     alloc = runner.allocator
     vocab = runner.target.config.vocab_size
@@ -64,7 +65,7 @@ def profile_sps(runner: ModelRunner, max_batch_tokens: int, block: int = 8, cont
         if time_budget_s is not None and time.perf_counter() - t_start > time_budget_s:
             log.warning("SPS profiling hit its %.0f s budget at %d batch tokens", time_budget_s, b)
             break
-    return build_sps_table(samples, max_batch_tokens=max(samples))
+    return monotone_envelope(build_sps_table(samples, max_batch_tokens=max(samples)))
 
 
 def machine_description() -> dict[str, str | int]:

@@ -23,7 +23,13 @@ from dspark_server.engine.scheduler import ScheduledChunk
 from dspark_server.engine.verify import verify, verify_greedy
 from dspark_server.models.attention import KVPool
 from dspark_server.models.drafter import DraftBlock, DraftContext, DSparkDrafter
-from dspark_server.planner import CalibrationDriftTracker, LiveSpsTable, StsCalibration, VerifyPlanner
+from dspark_server.planner import (
+    CalibrationDriftTracker,
+    LiveSpsTable,
+    StsCalibration,
+    VerifyPlanner,
+    monotone_envelope,
+)
 
 if TYPE_CHECKING:
     from dspark_server.engine.engine import LLMEngine
@@ -88,7 +94,7 @@ class SpeculativeDecoder:
                 confidences = self.calibration.apply(drafts.confidence_logits)
                 survival = torch.cumprod(confidences, dim=1)
                 if self.live_sps is not None:
-                    self.planner.set_sps_table(self.live_sps.current_table())
+                    self.planner.set_sps_table(monotone_envelope(self.live_sps.current_table()))
                 lens = self.planner.plan(confidences).tolist()
             else:
                 lens = [gamma] * len(decodes)

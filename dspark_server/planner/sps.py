@@ -214,6 +214,20 @@ def build_sps_table(
     )
 
 
+def monotone_envelope(table: SpsCostTable) -> SpsCostTable:
+    """SPS(B) := max over probes B' >= B of the measured SPS(B').
+
+    A forward over more tokens is never truly faster than one over fewer (the smaller batch could
+    be padded to the larger one), so a measured rise is timing noise. Left in, it makes the DSpark
+    planner stop at the spurious dip before it; the envelope keeps every measured probe's best
+    achievable rate and is non-increasing in B.
+    """
+    sps = list(table.sample_steps_per_sec)
+    for i in range(len(sps) - 2, -1, -1):
+        sps[i] = max(sps[i], sps[i + 1])
+    return table.with_steps_per_sec(sps)
+
+
 def probe_batch_sizes(max_batch_tokens: int) -> list[int]:
     """Probe points for profiling: powers of two up to ``max_batch_tokens`` plus the
     quarter points between consecutive powers from 8 up (where kernels change tiles),
