@@ -12,27 +12,14 @@ from typing import Any
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
+from test_drafter import make_target
 
-from dspark_server.config import ModelConfig
 from dspark_server.models.drafter import DraftContext, DSparkDrafter
 from dspark_server.models.drafter_checkpoint import load_drafter, save_drafter
 from dspark_server.models.drafter_config import DraftConfig
 from dspark_server.models.target import TargetModel
 
-V, H, S, R = 97, 64, 20, 8
-
-
-def make_target(seed: int = 0, tied: bool = False) -> TargetModel:
-    torch.manual_seed(seed)
-    cfg = ModelConfig(architecture="qwen3", vocab_size=V, hidden_size=H, intermediate_size=96,
-                      num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
-                      rms_norm_eps=1e-6, rope_theta=10000.0, max_position_embeddings=256,
-                      tie_word_embeddings=tied)
-    target = TargetModel(cfg)
-    with torch.no_grad():
-        for p in target.parameters():
-            p.normal_(0, 0.3)
-    return target.eval().requires_grad_(False)
+V, H, S, R = 97, 64, 20, 8  # V and H must match test_drafter.make_target
 
 
 def make_drafter(target: TargetModel, head: str = "markov") -> DSparkDrafter:
