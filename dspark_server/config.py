@@ -111,6 +111,7 @@ class SpeculativeConfig:
     profile_path: str | None = None
     calibration_path: str | None = None
     live_sps_refresh: bool = True
+    draft_gate: bool = True  # dspark mode: skip drafting at loads where plain steps are faster
 
     def __post_init__(self) -> None:
         if self.mode not in SPEC_MODES:

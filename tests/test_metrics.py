@@ -32,7 +32,7 @@ def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LoggedServer]:
     profile = root / "sps.json"
     profile.write_text(json.dumps({"sample_batch_tokens": PROBES, "sample_steps_per_sec": [50.0] * 4,
                                    "max_batch_tokens": 512}))
-    s = start(["--model", str(target), "--draft", str(draft), "--spec-mode", "dspark",
+    s = start(["--model", str(target), "--draft", str(draft), "--spec-mode", "dspark", "--no-draft-gate",
                "--profile", str(profile), "--max-model-len", "256"])
     yield s
     s.stop()

@@ -7,6 +7,7 @@ import logging
 from pathlib import Path
 
 from dspark_server.config import EngineConfig
+from dspark_server.engine.draft_gate import DraftGate
 from dspark_server.engine.model_runner import ModelRunner
 from dspark_server.engine.profiler import cache_dir, machine_description, profile_key, profile_sps
 from dspark_server.engine.speculative import SpeculativeDecoder
@@ -41,8 +42,10 @@ def build_speculative(cfg: EngineConfig, runner: ModelRunner) -> SpeculativeDeco
     live = LiveSpsTable(table, enabled=spec.live_sps_refresh) if table is not None else None
     if spec.mode in ("dspark", "threshold") and drafter.confidence_head is None:
         raise ValueError(f"--spec-mode {spec.mode} needs a drafter with a confidence head")
+    # Only the load-aware mode may skip drafting; fixed and threshold stay pure baselines.
+    gate = DraftGate() if spec.mode == "dspark" and spec.draft_gate else None
     return SpeculativeDecoder(drafter, pool, planner, resolve_calibration(cfg, drafter.gamma), live,
-                              CalibrationDriftTracker(gamma), gamma)
+                              CalibrationDriftTracker(gamma), gamma, gate)
 
 
 def resolve_calibration(cfg: EngineConfig, block: int) -> StsCalibration:

@@ -9,6 +9,7 @@ of x0..x_acc, and truncates the rest, which restores both invariants for the new
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
@@ -16,6 +17,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from dspark_server.engine.batch import SeqChunk
+from dspark_server.engine.draft_gate import DraftGate
 from dspark_server.engine.kv_cache import PageAllocator, PageTable
 from dspark_server.engine.request import Request
 from dspark_server.engine.sampling import SamplingTensors, sample, sample_from_logits, shape_probs
@@ -55,7 +57,7 @@ class RoundRecord:
 class SpeculativeDecoder:
     def __init__(self, drafter: DSparkDrafter, pool: KVPool, planner: VerifyPlanner,
                  calibration: StsCalibration, live_sps: LiveSpsTable | None,
-                 drift: CalibrationDriftTracker, gamma: int) -> None:
+                 drift: CalibrationDriftTracker, gamma: int, gate: DraftGate | None = None) -> None:
         if not 1 <= gamma <= drafter.gamma:
             raise ValueError(f"gamma must be in 1..{drafter.gamma} (the drafter's block size), got {gamma}")
         if calibration.gamma < gamma:
@@ -67,6 +69,7 @@ class SpeculativeDecoder:
         self.live_sps = live_sps
         self.drift = drift
         self.gamma = gamma
+        self.gate = gate  # None: always draft (the fixed / threshold baselines)
         self.last_verify_lens: list[int] = []
         # Called once per step with every decoding request's round (calibration, evaluation).
         self.round_observers: list[Callable[[RoundRecord], None]] = []
@@ -75,13 +78,18 @@ class SpeculativeDecoder:
     def step(self, engine: LLMEngine, decodes: list[Request], prefills: list[ScheduledChunk]) -> None:
         runner, gamma = engine.runner, self.gamma
         alloc = runner.allocator
+        t_start = time.perf_counter()
         sampling = SamplingTensors.from_params([r.params for r in decodes])
         generators = [r.generator for r in decodes]
         anchor_pos = [r.num_computed for r in decodes]
         drafts = Drafts(torch.zeros(0, gamma, dtype=torch.long), None, None)
         lens: list[int] = []
         survival = None
-        if decodes:
+        drafting = bool(decodes) and (self.gate is None or self.gate.choose(len(decodes)))
+        if decodes and not drafting:  # at this load plain steps are faster: ℓ = 0, nothing drafted
+            lens = [0] * len(decodes)
+            drafts = Drafts(torch.zeros(len(decodes), gamma, dtype=torch.long), None, None)
+        if drafting:
             # 1. Draft: one backbone pass for all decoding requests, then the sequential head.
             anchors = torch.tensor([r.all_ids[-1] for r in decodes])
             ctx = DraftContext.from_slot_lists([alloc.slots(r.table, 0, p) for r, p in
@@ -119,7 +127,7 @@ class SpeculativeDecoder:
         starts = logit_starts[: len(decodes)]
 
         # 4. Rejection sampling per request against the target's distributions.
-        if drafts.probs is None:  # all greedy: accept while the draft equals the target argmax
+        if sampling.all_greedy:  # accept while the draft equals the target argmax
             argmax = logits.argmax(dim=-1).tolist()
             outcome = verify_greedy(drafts.tokens.tolist(),
                                     [argmax[s: s + ell + 1] for s, ell in zip(starts, lens, strict=True)])
@@ -143,11 +151,14 @@ class SpeculativeDecoder:
         context_rows += [(c.request.table, off, c.start, c.num_tokens)
                          for c, off in zip(prefills, result.batch.offsets[len(decodes):], strict=True)]
         self._write_context(alloc, hidden, context_rows)
+        emitted = 0
         for i, req in enumerate(decodes):
             acc = outcome.accepted[i]
             new_tokens = drafts.tokens[i, :acc].tolist() + [outcome.next_tokens[i]]
-            engine.commit(req, new_tokens, spec_round=(gamma, lens[i], acc))
+            emitted += engine.commit(req, new_tokens, spec_round=(gamma, lens[i], acc) if drafting else None)
         self._sample_prefills(engine, prefills, logits, logit_starts[len(decodes):])
+        if self.gate is not None and decodes and not prefills:  # prefill work would blur the rate
+            self.gate.record(len(decodes), drafting, emitted, time.perf_counter() - t_start)
 
     def _write_context(self, alloc: PageAllocator, hidden: torch.Tensor,
                        rows: list[tuple[PageTable, int, int, int]]) -> None:

@@ -24,14 +24,15 @@ class VerifyOutcome:
 
 def verify(
     draft_tokens: torch.Tensor,
-    draft_probs: torch.Tensor,
+    draft_probs: torch.Tensor | None,
     target_probs: list[torch.Tensor],
     lengths: Sequence[int],
     generators: Sequence[torch.Generator],
 ) -> VerifyOutcome:
     """Verify each request's first ℓ_r drafts.
 
-    draft_tokens [R, γ]; draft_probs [R, γ, V] (q each draft was sampled from);
+    draft_tokens [R, γ]; draft_probs [R, γ, V] (q each draft was sampled from; None only when
+    every ℓ_r is 0, i.e. nothing was drafted);
     target_probs[r] [ℓ_r + 1, V] (p at the anchor and at each verified draft position).
     """
     accepted: list[int] = []
@@ -42,6 +43,7 @@ def verify(
         n = 0
         correction: int | None = None
         for k in range(ell):
+            assert draft_probs is not None, "drafts to verify need the distribution they came from"
             x = int(draft_tokens[r, k])
             px, qx = float(p[k, x]), float(draft_probs[r, k, x])
             if _accept(px, qx, gen):
