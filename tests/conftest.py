@@ -2,13 +2,9 @@ from __future__ import annotations
 
 import os
 import socket
-import subprocess
-import sys
-import time
 from collections.abc import Iterator
 from pathlib import Path
 
-import httpx
 import pytest
 import torch
 
@@ -37,43 +33,14 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-class ServerProcess:
-    def __init__(self, args: list[str], env: dict[str, str] | None = None) -> None:
-        self.port = free_port()
-        self.base_url = f"http://127.0.0.1:{self.port}"
-        cmd = [sys.executable, "-m", "dspark_server.cli", "serve", "--port", str(self.port), *args]
-        self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                                     env={**os.environ, **(env or {})}, text=True)
-
-    def wait_ready(self, timeout: float = 120.0) -> None:
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"server exited early:\n{self.proc.stdout.read()}")  # type: ignore[union-attr]
-            try:
-                if httpx.get(f"{self.base_url}/ready", timeout=1.0).status_code == 200:
-                    return
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.2)
-        raise TimeoutError("server did not become ready")
-
-    def stop(self) -> str:
-        if self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(30)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-        return self.proc.stdout.read() if self.proc.stdout else ""  # type: ignore[union-attr]
-
-
 @pytest.fixture
 def start_server() -> Iterator:
-    servers: list[ServerProcess] = []
+    from test_api_support import LoggedServer  # a server whose log goes to a file, not a pipe
 
-    def start(args: list[str], env: dict[str, str] | None = None) -> ServerProcess:
-        s = ServerProcess(args, env)
+    servers: list[LoggedServer] = []
+
+    def start(args: list[str], env: dict[str, str] | None = None) -> LoggedServer:
+        s = LoggedServer(args, env)
         servers.append(s)
         s.wait_ready()
         return s

@@ -7,12 +7,12 @@ from pathlib import Path
 import httpx
 import openai
 import pytest
-from conftest import ServerProcess
+from test_api_support import LoggedServer
 
 
 @pytest.fixture(scope="module")
 def server(tiny_model: Path):  # noqa: ANN201
-    proc = ServerProcess(["--model", str(tiny_model), "--max-model-len", "256"])
+    proc = LoggedServer(["--model", str(tiny_model), "--max-model-len", "256"])
     try:
         proc.wait_ready()
         yield proc
