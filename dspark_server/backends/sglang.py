@@ -485,18 +485,7 @@ class SGLangBackend:
         if stream._recorded:
             return
         stream._recorded = True
-        s, req = self.stats, stream._req
-        s.finished_requests += 1
-        s.finished_by_reason[reason] = s.finished_by_reason.get(reason, 0) + 1
-        now = time.monotonic()
-        s.observe("e2e_seconds", now - stream._arrival)
-        n = len(req.output_ids)
-        if n > 1 and stream._first_token is not None:
-            s.observe("tpot_seconds", (now - stream._first_token) / (n - 1))
-        s.observe("request_prompt_tokens", len(req.prompt_ids))
-        s.observe("request_generation_tokens", n)
-        if req.spec.rounds:
-            s.observe("request_mean_verify_len", req.spec.verified_tokens / req.spec.rounds)
+        self.stats.record_finish(stream._req, reason, stream._arrival, stream._first_token)
 
     # ---- live figures -----------------------------------------------------------------------
 

@@ -92,15 +92,19 @@ class EngineStats:
         that emits several tokens at once is one delivery)."""
         self.observe("itl_seconds", seconds)
 
-    def record_finish(self, req: Request) -> None:
+    def record_finish(self, req: Request, reason: str | None = None, arrival_time: float | None = None,
+                      first_token_time: float | None = None) -> None:
+        """A finished request; a backend that times requests itself passes its own clock readings."""
         self.finished_requests += 1
-        reason = req.finish_reason or "unknown"
+        reason = reason or req.finish_reason or "unknown"
         self.finished_by_reason[reason] = self.finished_by_reason.get(reason, 0) + 1
         now = time.monotonic()
-        self.observe("e2e_seconds", now - req.arrival_time)
+        arrival = req.arrival_time if arrival_time is None else arrival_time
+        first_token = req.first_token_time if first_token_time is None else first_token_time
+        self.observe("e2e_seconds", now - arrival)
         n = len(req.output_ids)
-        if n > 1 and req.first_token_time is not None:
-            self.observe("tpot_seconds", (now - req.first_token_time) / (n - 1))
+        if n > 1 and first_token is not None:
+            self.observe("tpot_seconds", (now - first_token) / (n - 1))
         self.observe("request_prompt_tokens", len(req.prompt_ids))
         self.observe("request_generation_tokens", n)
         if req.spec.rounds:
