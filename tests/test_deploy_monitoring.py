@@ -258,14 +258,15 @@ class Prometheus:
 def loaded(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Prometheus, LoggedServer]]:
     root = tmp_path_factory.mktemp("deploy_monitoring")
     # as in tests/test_metrics.py: a small vocabulary so random drafts are sometimes accepted, and
-    # a flat SPS profile so the server does not profile at start-up
+    # a flat SPS profile so the server does not profile at start-up; no draft gate, which would
+    # switch the random drafter off and leave the speculative panels empty
     target = build_tiny_model(root / "target", layers=2, with_eos=False, seed=5, vocab_size=24)
     draft = build_tiny_drafter(target, root / "draft", gamma=4, seed=6)
     profile = root / "sps.json"
     profile.write_text(json.dumps({"sample_batch_tokens": [1, 8, 64, 512],
                                    "sample_steps_per_sec": [50.0] * 4, "max_batch_tokens": 512}))
     server = LoggedServer(["--model", str(target), "--draft", str(draft), "--spec-mode", "dspark",
-                           "--profile", str(profile), "--max-model-len", "256", "--max-running", "3",
+                           "--no-draft-gate", "--profile", str(profile), "--max-model-len", "256", "--max-running", "3",
                            "--served-model-name", MODEL])
     (root / "prom").mkdir()
     prom: Prometheus | None = None
