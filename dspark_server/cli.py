@@ -25,9 +25,15 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--gamma", type=int, default=None, help="draft block size (default: drafter's)")
     p.add_argument("--threshold", type=float, default=0.5, help="threshold mode's survival cut-off")
     p.add_argument("--profile", default=None, help="SPS cost table JSON")
-    p.add_argument("--calibration", default=None, help="STS calibration JSON")
+    p.add_argument("--calibration", default=None, help="STS calibration JSON (sampled requests)")
+    p.add_argument("--greedy-calibration", default=None,
+                   help="STS calibration JSON for temperature-0 requests (default: the drafter's "
+                        "sts_calibration_greedy.json, else --calibration)")
     p.add_argument("--no-draft-gate", action="store_true",
                    help="dspark mode: always draft, even at loads where plain steps measure faster")
+    p.add_argument("--sps-only-cost", action="store_true",
+                   help="dspark mode: price a step by SPS(B) alone (the paper's cost model), leaving out "
+                        "the measured draft and bookkeeping time")
     p.add_argument("--dtype", default=None, help="default: float32 (native), auto (sglang)")
     p.add_argument("--max-model-len", type=int, default=2048)
     p.add_argument("--max-running", type=int, default=64)
@@ -94,8 +100,10 @@ def _engine_config(a: argparse.Namespace) -> EngineConfig:
     mode = a.spec_mode or ("dspark" if draft else "off")
     if mode != "off" and not draft:
         raise SystemExit(f"error: --spec-mode {mode} needs a drafter (--draft DIR)")
-    spec = SpeculativeConfig(mode=mode, gamma=a.gamma, draft_gate=not a.no_draft_gate, threshold=a.threshold,
-                             profile_path=a.profile, calibration_path=a.calibration)
+    spec = SpeculativeConfig(mode=mode, gamma=a.gamma, draft_gate=not a.no_draft_gate,
+                             price_step_overhead=not a.sps_only_cost, threshold=a.threshold,
+                             profile_path=a.profile, calibration_path=a.calibration,
+                             greedy_calibration_path=a.greedy_calibration)
     return EngineConfig(model_dir=model, draft_dir=draft if mode != "off" else None,
                         dtype=a.dtype or "float32",
                         page_size=a.page_size, num_pages=a.num_pages, max_model_len=a.max_model_len,

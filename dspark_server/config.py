@@ -110,8 +110,11 @@ class SpeculativeConfig:
     threshold: float = 0.5
     profile_path: str | None = None
     calibration_path: str | None = None
+    greedy_calibration_path: str | None = None  # STS for temperature-0 requests
     live_sps_refresh: bool = True
     draft_gate: bool = True  # dspark mode: skip drafting at loads where plain steps are faster
+    # dspark mode: price a step as (draft + bookkeeping time) + 1/SPS(B), not 1/SPS(B) alone
+    price_step_overhead: bool = True
 
     def __post_init__(self) -> None:
         if self.mode not in SPEC_MODES:

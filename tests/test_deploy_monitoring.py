@@ -266,8 +266,8 @@ def loaded(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Prometheu
     profile.write_text(json.dumps({"sample_batch_tokens": [1, 8, 64, 512],
                                    "sample_steps_per_sec": [50.0] * 4, "max_batch_tokens": 512}))
     server = LoggedServer(["--model", str(target), "--draft", str(draft), "--spec-mode", "dspark",
-                           "--no-draft-gate", "--profile", str(profile), "--max-model-len", "256", "--max-running", "3",
-                           "--served-model-name", MODEL])
+                           "--no-draft-gate", "--profile", str(profile), "--max-model-len", "256",
+                           "--max-running", "3", "--served-model-name", MODEL])
     (root / "prom").mkdir()
     prom: Prometheus | None = None
     try:

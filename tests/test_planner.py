@@ -13,8 +13,10 @@ from dspark_server.planner import (
     PlannerConfig,
     SpsCostTable,
     allocate_budget,
+    interpolate_linear,
     make_planner,
     prefix_survival,
+    steps_per_sec,
     summarize_plan,
     verify_token_budget,
 )
@@ -242,3 +244,28 @@ def test_allocate_budget_order_and_eps() -> None:
     assert allocate_budget(survival, 2).tolist() == [1, 1, 0]  # ties: position, then request
     assert allocate_budget(survival, 3).tolist() == [2, 1, 0]
     assert allocate_budget(survival, 100).tolist() == [2, 1, 2]  # the 1e-9 candidate never counts
+
+
+def test_step_overhead_prices_a_step_as_overhead_plus_verification() -> None:
+    # a steep curve: 5 ms per token (10 ms for 2 tokens, 20 ms for 4, 30 ms for 6)
+    table = SpsCostTable((2, 4, 6), (100.0, 50.0, 100 / 3), 6)
+    conf = torch.tensor([[0.6, 0.3], [0.6, 0.3]])  # survival 0.6, 0.18 per request
+    planner = make_planner(PlannerConfig(mode="dspark", gamma=2), interpolate_linear(table))
+    # SPS alone: one 0.6 draft costs 5 ms on a 10 ms step: (2.6 / 15 ms) < (2 / 10 ms): nothing
+    assert planner.plan(conf).tolist() == [0, 0]
+    # a 40 ms draft pass already spent: the same 5 ms buys 0.6 tokens on a 50 ms step
+    planner.set_step_overhead(0.040)
+    res = planner.plan_detailed(conf)
+    assert res.verify_lens.tolist() == [1, 1]  # a 0.18 draft would not pay its 5 ms
+    assert res.expected_throughput == pytest.approx(3.2 / 0.060)
+    assert steps_per_sec(table, 2, 3, 0.040).tolist() == pytest.approx([1 / 0.05, 1 / 0.05, 1 / 0.06])
+    with pytest.raises(ValueError):
+        planner.set_step_overhead(-1.0)
+
+
+def test_linear_interpolation_of_step_time_between_probes() -> None:
+    dense = interpolate_linear(SpsCostTable((1, 5), (100.0, 20.0), 8))
+    assert dense.sample_batch_tokens == (1, 2, 3, 4, 5) and dense.max_batch_tokens == 8
+    seconds = [1 / v for v in dense.sample_steps_per_sec]
+    assert seconds == pytest.approx([0.01, 0.02, 0.03, 0.04, 0.05])
+    assert dense.lookup(8) == pytest.approx(20.0)

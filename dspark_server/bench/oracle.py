@@ -64,7 +64,8 @@ class RoundLog:
         if record.confidence_logits is None:
             raise BenchError("this drafter has no confidence head: nothing to plan from")
         raw = record.confidence_logits.float()
-        conf = self.calibration.apply(raw)
+        # the calibrated confidences the engine planned with (greedy rows by the greedy STS)
+        conf = record.confidences if record.confidences is not None else self.calibration.apply(raw)
         for i, (req, ell, acc) in enumerate(zip(record.requests, record.verify_lens, record.accepted,
                                                 strict=True)):
             if ell != self.gamma:

@@ -1,11 +1,15 @@
 """Whether drafting pays off at the current load, decided from measured step rates.
 
 The DSpark planner prices verification with the SPS table but treats drafting as free. On a CPU
-with a small target a draft step can cost as much as a verification step, so at high concurrency,
-where the planner admits almost no drafts, drafting would only slow every step down. The gate keeps,
-per concurrency bucket (powers of two), an exponential moving average of tokens emitted per second
-by steps that drafted and by plain steps, drafts when that is the faster choice, and spends every
-``explore_every``-th step of a bucket on the other choice so both estimates stay current.
+with a small target a draft step can cost several verification steps, so at high concurrency, where
+the planner admits almost no drafts, drafting would only slow every step down. The gate keeps, per
+concurrency bucket (powers of two), exponential moving averages of the tokens emitted per second
+and of the step time, for steps that drafted and for plain steps, and takes the faster choice.
+
+It keeps both estimates current by now and then spending a step on the slower choice, at most
+``max_explore_overhead`` of the bucket's time: when a draft step costs five plain steps the gate
+explores it far more rarely than when the two are close (never more often than every
+``explore_every`` steps).
 
 The decision depends on past timings only — never on the tokens about to be drafted — so skipping a
 draft changes speed, not the output distribution.
@@ -18,47 +22,74 @@ from dataclasses import dataclass
 
 
 @dataclass
+class _Estimate:
+    rate: float = math.nan  # tokens emitted per second
+    seconds: float = math.nan  # one step
+
+    def update(self, rate: float, seconds: float, smoothing: float) -> None:
+        if math.isnan(self.rate):
+            self.rate, self.seconds = rate, seconds
+        else:
+            self.rate = (1 - smoothing) * self.rate + smoothing * rate
+            self.seconds = (1 - smoothing) * self.seconds + smoothing * seconds
+
+
+@dataclass
 class _Bucket:
-    draft_rate: float = math.nan
-    plain_rate: float = math.nan
-    steps: int = 0
+    draft: _Estimate
+    plain: _Estimate
+    since_explore: int = 0
 
 
 class DraftGate:
-    def __init__(self, explore_every: int = 16, smoothing: float = 0.2) -> None:
-        if explore_every < 2 or not 0.0 < smoothing <= 1.0:
-            raise ValueError("explore_every must be >= 2 and smoothing in (0, 1]")
+    def __init__(self, explore_every: int = 16, smoothing: float = 0.2,
+                 max_explore_overhead: float = 0.02) -> None:
+        if explore_every < 2 or not 0.0 < smoothing <= 1.0 or not 0.0 < max_explore_overhead < 1.0:
+            raise ValueError("explore_every must be >= 2, smoothing in (0, 1], "
+                             "max_explore_overhead in (0, 1)")
         self.explore_every = explore_every
         self.smoothing = smoothing
+        self.max_explore_overhead = max_explore_overhead
         self._buckets: dict[int, _Bucket] = {}
 
     @staticmethod
     def bucket_of(num_requests: int) -> int:
         return max(1, num_requests).bit_length()
 
+    def _bucket(self, num_requests: int) -> _Bucket:
+        key = self.bucket_of(num_requests)
+        if key not in self._buckets:
+            self._buckets[key] = _Bucket(_Estimate(), _Estimate())
+        return self._buckets[key]
+
+    def explore_interval(self, best: _Estimate, other: _Estimate) -> int:
+        """Steps between explorations of ``other`` so that the time they lose (an exploring step's
+        time minus what the best choice needs for the same tokens) stays within the budget."""
+        lost = other.seconds * max(0.0, 1.0 - other.rate / best.rate)
+        steps = lost / (self.max_explore_overhead * best.seconds)
+        return max(self.explore_every, math.ceil(steps))
+
     def choose(self, num_requests: int) -> bool:
         """True: draft this step."""
-        b = self._buckets.setdefault(self.bucket_of(num_requests), _Bucket())
-        b.steps += 1
-        if math.isnan(b.draft_rate):
+        b = self._bucket(num_requests)
+        if math.isnan(b.draft.rate):
             return True
-        if math.isnan(b.plain_rate):
+        if math.isnan(b.plain.rate):
             return False
-        best = b.draft_rate >= b.plain_rate
-        return (not best) if b.steps % self.explore_every == 0 else best
+        draft_best = b.draft.rate >= b.plain.rate
+        best, other = (b.draft, b.plain) if draft_best else (b.plain, b.draft)
+        b.since_explore += 1
+        if b.since_explore >= self.explore_interval(best, other):
+            b.since_explore = 0
+            return not draft_best
+        return draft_best
 
     def record(self, num_requests: int, drafted: bool, tokens: int, seconds: float) -> None:
         if seconds <= 0 or not math.isfinite(seconds):
             return
-        b = self._buckets.setdefault(self.bucket_of(num_requests), _Bucket())
-        rate = tokens / seconds
-        old = b.draft_rate if drafted else b.plain_rate
-        new = rate if math.isnan(old) else (1 - self.smoothing) * old + self.smoothing * rate
-        if drafted:
-            b.draft_rate = new
-        else:
-            b.plain_rate = new
+        b = self._bucket(num_requests)
+        (b.draft if drafted else b.plain).update(tokens / seconds, seconds, self.smoothing)
 
     def rates(self) -> dict[int, tuple[float, float]]:
         """bucket -> (drafting tokens/s, plain tokens/s), for metrics and tests."""
-        return {k: (b.draft_rate, b.plain_rate) for k, b in self._buckets.items()}
+        return {k: (b.draft.rate, b.plain.rate) for k, b in self._buckets.items()}

@@ -11,6 +11,7 @@ from dspark_server.engine.draft_gate import DraftGate
 from dspark_server.engine.model_runner import ModelRunner
 from dspark_server.engine.profiler import cache_dir, machine_description, profile_key, profile_sps
 from dspark_server.engine.speculative import SpeculativeDecoder
+from dspark_server.engine.step_overhead import StepOverhead
 from dspark_server.models.drafter_checkpoint import load_drafter
 from dspark_server.planner import (
     CalibrationDriftTracker,
@@ -27,6 +28,7 @@ from dspark_server.planner import (
 log = logging.getLogger(__name__)
 
 CALIBRATION_FILE = "sts_calibration.json"
+GREEDY_CALIBRATION_FILE = "sts_calibration_greedy.json"
 PROFILES_DIR = Path(__file__).resolve().parents[2] / "profiles"
 STARTUP_PROFILE_BUDGET_S = 25.0
 
@@ -44,8 +46,10 @@ def build_speculative(cfg: EngineConfig, runner: ModelRunner) -> SpeculativeDeco
         raise ValueError(f"--spec-mode {spec.mode} needs a drafter with a confidence head")
     # Only the load-aware mode may skip drafting; fixed and threshold stay pure baselines.
     gate = DraftGate() if spec.mode == "dspark" and spec.draft_gate else None
+    overhead = StepOverhead() if spec.mode == "dspark" and spec.price_step_overhead else None
     return SpeculativeDecoder(drafter, pool, planner, resolve_calibration(cfg, drafter.gamma), live,
-                              CalibrationDriftTracker(gamma), gamma, gate)
+                              CalibrationDriftTracker(gamma), gamma, gate, overhead,
+                              resolve_greedy_calibration(cfg))
 
 
 def resolve_calibration(cfg: EngineConfig, block: int) -> StsCalibration:
@@ -57,6 +61,18 @@ def resolve_calibration(cfg: EngineConfig, block: int) -> StsCalibration:
         raise FileNotFoundError(f"calibration file {explicit} does not exist")
     log.warning("no STS calibration next to the drafter (%s): using raw confidences", path)
     return StsCalibration.identity(block)
+
+
+def resolve_greedy_calibration(cfg: EngineConfig) -> StsCalibration | None:
+    """--greedy-calibration, else the drafter's sts_calibration_greedy.json, else None (greedy
+    requests then use the sampling calibration)."""
+    explicit = cfg.spec.greedy_calibration_path
+    path = Path(explicit) if explicit else Path(cfg.draft_dir or "") / GREEDY_CALIBRATION_FILE
+    if path.is_file():
+        return load_sts_calibration(path)
+    if explicit:
+        raise FileNotFoundError(f"greedy calibration file {explicit} does not exist")
+    return None
 
 
 def resolve_sps_table(cfg: EngineConfig, runner: ModelRunner) -> SpsCostTable:

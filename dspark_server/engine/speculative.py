@@ -22,14 +22,17 @@ from dspark_server.engine.kv_cache import PageAllocator, PageTable
 from dspark_server.engine.request import Request
 from dspark_server.engine.sampling import SamplingTensors, sample, sample_from_logits, shape_probs
 from dspark_server.engine.scheduler import ScheduledChunk
+from dspark_server.engine.step_overhead import StepOverhead
 from dspark_server.engine.verify import verify, verify_greedy
 from dspark_server.models.attention import KVPool
 from dspark_server.models.drafter import DraftBlock, DraftContext, DSparkDrafter
 from dspark_server.planner import (
     CalibrationDriftTracker,
     LiveSpsTable,
+    SpsCostTable,
     StsCalibration,
     VerifyPlanner,
+    interpolate_linear,
     monotone_envelope,
 )
 
@@ -50,6 +53,7 @@ class RoundRecord:
 
     requests: list[Request]
     confidence_logits: torch.Tensor | None  # [R, γ] raw, before STS
+    confidences: torch.Tensor | None  # [R, γ] calibrated, as the planner saw them
     verify_lens: list[int]
     accepted: list[int]
 
@@ -57,19 +61,30 @@ class RoundRecord:
 class SpeculativeDecoder:
     def __init__(self, drafter: DSparkDrafter, pool: KVPool, planner: VerifyPlanner,
                  calibration: StsCalibration, live_sps: LiveSpsTable | None,
-                 drift: CalibrationDriftTracker, gamma: int, gate: DraftGate | None = None) -> None:
+                 drift: CalibrationDriftTracker, gamma: int, gate: DraftGate | None = None,
+                 overhead: StepOverhead | None = None,
+                 greedy_calibration: StsCalibration | None = None) -> None:
         if not 1 <= gamma <= drafter.gamma:
             raise ValueError(f"gamma must be in 1..{drafter.gamma} (the drafter's block size), got {gamma}")
-        if calibration.gamma < gamma:
-            raise ValueError(f"calibration covers {calibration.gamma} positions, gamma is {gamma}")
+        for cal in (calibration, greedy_calibration or calibration):
+            if cal.gamma < gamma:
+                raise ValueError(f"calibration covers {cal.gamma} positions, gamma is {gamma}")
         self.drafter = drafter
         self.pool = pool
         self.planner = planner
         self.calibration = StsCalibration(temperatures=calibration.temperatures[:gamma])
+        # Temperature-0 requests accept a draft when it equals the argmax, far more often than
+        # rejection sampling at temperature 1 does: they get their own temperatures when fitted.
+        self.greedy_calibration = StsCalibration(
+            temperatures=(greedy_calibration or calibration).temperatures[:gamma])
         self.live_sps = live_sps
         self.drift = drift
         self.gamma = gamma
         self.gate = gate  # None: always draft (the fixed / threshold baselines)
+        self.overhead = overhead  # None: price steps by SPS(B) alone, as the method doc does
+        self._steps_since_refresh = 0
+        if planner.sps_table is not None:
+            planner.set_sps_table(self._planning_table(planner.sps_table))
         self.last_verify_lens: list[int] = []
         # Called once per step with every decoding request's round (calibration, evaluation).
         self.round_observers: list[Callable[[RoundRecord], None]] = []
@@ -85,6 +100,8 @@ class SpeculativeDecoder:
         drafts = Drafts(torch.zeros(0, gamma, dtype=torch.long), None, None)
         lens: list[int] = []
         survival = None
+        confidences = None
+        draft_s = 0.0
         drafting = bool(decodes) and (self.gate is None or self.gate.choose(len(decodes)))
         if decodes and not drafting:  # at this load plain steps are faster: ℓ = 0, nothing drafted
             lens = [0] * len(decodes)
@@ -96,13 +113,15 @@ class SpeculativeDecoder:
                                                 zip(decodes, anchor_pos, strict=True)])
             block = self.drafter.backbone(anchors, torch.tensor(anchor_pos), ctx, self.pool)
             drafts = self.sample_drafts(decodes, block, anchors, sampling, generators)
+            draft_s = time.perf_counter() - t_start
 
             # 2. Plan ℓ_r from calibrated confidences (never from the drafted tokens' values).
             if drafts.confidence_logits is not None:
-                confidences = self.calibration.apply(drafts.confidence_logits)
+                confidences = self.calibrate(drafts.confidence_logits, sampling.temperature == 0)
                 survival = torch.cumprod(confidences, dim=1)
-                if self.live_sps is not None:
-                    self.planner.set_sps_table(monotone_envelope(self.live_sps.current_table()))
+                self._refresh_sps_table()
+                if self.overhead is not None:
+                    self.planner.set_step_overhead(self.overhead.overhead(len(decodes), draft_s))
                 lens = self.planner.plan(confidences).tolist()
             else:
                 lens = [gamma] * len(decodes)
@@ -138,7 +157,7 @@ class SpeculativeDecoder:
         if survival is not None:
             self.drift.record(survival, torch.tensor(outcome.accepted), torch.tensor(lens))
         if self.round_observers and decodes:
-            record = RoundRecord(list(decodes), drafts.confidence_logits, lens, outcome.accepted)
+            record = RoundRecord(list(decodes), drafts.confidence_logits, confidences, lens, outcome.accepted)
             for observe in self.round_observers:
                 observe(record)
 
@@ -157,8 +176,33 @@ class SpeculativeDecoder:
             new_tokens = drafts.tokens[i, :acc].tolist() + [outcome.next_tokens[i]]
             emitted += engine.commit(req, new_tokens, spec_round=(gamma, lens[i], acc) if drafting else None)
         self._sample_prefills(engine, prefills, logits, logit_starts[len(decodes):])
-        if self.gate is not None and decodes and not prefills:  # prefill work would blur the rate
-            self.gate.record(len(decodes), drafting, emitted, time.perf_counter() - t_start)
+        if decodes and not prefills:  # prefill work would blur the rates
+            step_s = time.perf_counter() - t_start
+            if self.gate is not None:
+                self.gate.record(len(decodes), drafting, emitted, step_s)
+            if self.overhead is not None:
+                self.overhead.record(len(decodes), step_s, result.seconds, draft_s if drafting else 0.0)
+
+    def calibrate(self, confidence_logits: torch.Tensor, greedy_rows: torch.Tensor) -> torch.Tensor:
+        """Raw confidence logits [R, γ] -> calibrated confidences, greedy rows by their own STS."""
+        sampled = self.calibration.apply(confidence_logits)
+        if not bool(greedy_rows.any()) or self.greedy_calibration is self.calibration:
+            return sampled
+        greedy = self.greedy_calibration.apply(confidence_logits)
+        return torch.where(greedy_rows[:, None], greedy, sampled)
+
+    def _planning_table(self, table: SpsCostTable) -> SpsCostTable:
+        """Measured-cost planning (overhead priced) also interpolates the step time between probes."""
+        table = monotone_envelope(table)
+        return interpolate_linear(table) if self.overhead is not None else table
+
+    def _refresh_sps_table(self, every: int = 16) -> None:
+        """Hand the planner the live-refreshed curve; it moves slowly, so every few steps."""
+        self._steps_since_refresh += 1
+        if self.live_sps is None or self._steps_since_refresh < every:
+            return
+        self._steps_since_refresh = 0
+        self.planner.set_sps_table(self._planning_table(self.live_sps.current_table()))
 
     def _write_context(self, alloc: PageAllocator, hidden: torch.Tensor,
                        rows: list[tuple[PageTable, int, int, int]]) -> None:

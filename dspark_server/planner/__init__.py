@@ -15,12 +15,14 @@ from .planner import (
     allocate_budget,
     make_planner,
     prefix_survival,
+    steps_per_sec,
     summarize_plan,
     verify_token_budget,
 )
 from .sps import (
     SpsCostTable,
     build_sps_table,
+    interpolate_linear,
     load_sps_table,
     monotone_envelope,
     plot_sps_table,
@@ -64,6 +66,8 @@ __all__ = [
     "load_sts_calibration",
     "make_planner",
     "monotone_envelope",
+    "interpolate_linear",
+    "steps_per_sec",
     "plot_reliability_diagram",
     "plot_sps_table",
     "prefix_survival",

@@ -96,14 +96,24 @@ def _ranked_candidates(
     return values, order
 
 
-def _summary(surv_pm: np.ndarray, lens: np.ndarray, table: SpsCostTable | None) -> tuple[int, float, float]:
+def steps_per_sec(table: SpsCostTable, start: int, count: int, overhead_s: float = 0.0) -> np.ndarray:
+    """Steps per second at B = start .. start + count - 1 when every step also spends
+    ``overhead_s`` outside the verification forward (drafting, sampling, bookkeeping):
+    1 / (overhead + 1 / SPS(B)). With no overhead this is the table itself."""
+    sps = table.lookup_range(start, count)
+    return sps if overhead_s <= 0.0 else 1.0 / (overhead_s + 1.0 / sps)
+
+
+def _summary(surv_pm: np.ndarray, lens: np.ndarray, table: SpsCostTable | None,
+             overhead_s: float = 0.0) -> tuple[int, float, float]:
     gamma, num_requests = surv_pm.shape
     prefix_sums = np.zeros((gamma + 1, num_requests))
     np.cumsum(surv_pm, axis=0, dtype=np.float64, out=prefix_sums[1:])
     batch_tokens = num_requests + int(lens.sum())
     tau = num_requests + float(prefix_sums[lens, np.arange(num_requests)].sum())
-    theta = tau * table.lookup(batch_tokens) if table is not None else math.nan
-    return batch_tokens, tau, theta
+    if table is None:
+        return batch_tokens, tau, math.nan
+    return batch_tokens, tau, tau * float(steps_per_sec(table, batch_tokens, 1, overhead_s)[0])
 
 
 def summarize_plan(
@@ -116,11 +126,13 @@ def summarize_plan(
 
 class VerifyPlanner(ABC):
     """Chooses l_r for every request of a round at once. ``plan`` is the hot path; the SPS
-    table may be swapped between rounds with :meth:`set_sps_table` (live refresh)."""
+    table may be swapped between rounds with :meth:`set_sps_table` (live refresh), and the
+    step's cost outside the verification forward set with :meth:`set_step_overhead`."""
 
     def __init__(self, config: PlannerConfig, sps_table: SpsCostTable | None = None) -> None:
         self._config = config
         self._sps_table = sps_table
+        self._step_overhead_s = 0.0
 
     @property
     def config(self) -> PlannerConfig:
@@ -132,6 +144,19 @@ class VerifyPlanner(ABC):
 
     def set_sps_table(self, table: SpsCostTable | None) -> None:
         self._sps_table = table
+
+    @property
+    def step_overhead_s(self) -> float:
+        return self._step_overhead_s
+
+    def set_step_overhead(self, seconds: float) -> None:
+        """Seconds every step spends besides the verification forward. The method doc's cost
+        model is SPS(B) alone (overhead 0); on a CPU, where a draft pass can cost several
+        verification forwards, pricing a step as overhead + 1/SPS(B) admits the drafts that
+        are already paid for instead of verifying almost none."""
+        if not math.isfinite(seconds) or seconds < 0:
+            raise ValueError(f"step overhead must be a finite number >= 0, got {seconds}")
+        self._step_overhead_s = float(seconds)
 
     def plan(
         self, confidences: torch.Tensor, *, budget_confidences: torch.Tensor | None = None
@@ -146,7 +171,7 @@ class VerifyPlanner(ABC):
 
     def _result(self, surv_pm: np.ndarray, lens: np.ndarray, budget: int | None = None) -> PlanResult:
         lens = lens.astype(np.int64, copy=False)
-        b, tau, theta = _summary(surv_pm, lens, self._sps_table)
+        b, tau, theta = _summary(surv_pm, lens, self._sps_table, self._step_overhead_s)
         return PlanResult(torch.from_numpy(lens), b, tau, theta, budget)
 
 
@@ -208,7 +233,7 @@ class DSparkPlanner(VerifyPlanner):
         tau[0] = 0.0
         np.cumsum(values, out=tau[1:])
         tau += num_requests
-        theta = tau * table.lookup_range(num_requests, tau.size)
+        theta = tau * steps_per_sec(table, num_requests, tau.size, self._step_overhead_s)
         declines = np.flatnonzero(theta[1:] <= theta[:-1])
         admitted = int(declines[0]) if declines.size else values.size
         lens = np.bincount(order[:admitted] % num_requests, minlength=num_requests)
@@ -220,13 +245,14 @@ class DSparkPlanner(VerifyPlanner):
         )
 
 
-def _budget_from_pm(surv_pm: np.ndarray, table: SpsCostTable, survival_eps: float) -> tuple[int, float]:
+def _budget_from_pm(surv_pm: np.ndarray, table: SpsCostTable, survival_eps: float,
+                    overhead_s: float = 0.0) -> tuple[int, float]:
     num_requests = surv_pm.shape[1]
     cand = surv_pm.reshape(-1)
     ranked = np.sort(cand[cand >= survival_eps].astype(np.float64))[::-1]
     tau = np.concatenate(([0.0], np.cumsum(ranked)))
     tau += num_requests
-    theta = tau * table.lookup_range(num_requests, tau.size)
+    theta = tau * steps_per_sec(table, num_requests, tau.size, overhead_s)
     k = int(np.argmax(theta))
     return k, float(theta[k])
 
@@ -289,7 +315,7 @@ class DSparkBudgetPlanner(VerifyPlanner):
         history = _position_major_survival(budget_confidences)
         if history.shape[1] != surv.shape[1]:
             raise ValueError(f"budget_confidences has {history.shape[1]} rows, confidences {surv.shape[1]}")
-        budget, _ = _budget_from_pm(history, table, self._config.survival_eps)
+        budget, _ = _budget_from_pm(history, table, self._config.survival_eps, self._step_overhead_s)
         lens = _allocate_from_pm(surv, budget, self._config.survival_eps)
         return self._result(surv, lens, budget)
 

@@ -228,6 +228,20 @@ def monotone_envelope(table: SpsCostTable) -> SpsCostTable:
     return table.with_steps_per_sec(sps)
 
 
+def interpolate_linear(table: SpsCostTable) -> SpsCostTable:
+    """A probe at every B from the first to the last probe, step time 1/SPS linear in between.
+
+    The file format's lookup (largest probe <= B) is a step function: the one token that crosses
+    a probe is charged the whole drop to the next probe, and a greedy that stops at the first
+    non-improvement halts there even where the curve itself would pay for many more tokens. Time
+    interpolated between measured probes removes that artifact on steep (CPU) curves.
+    """
+    probes = np.asarray(table.sample_batch_tokens, dtype=np.float64)
+    dense = np.arange(table.sample_batch_tokens[0], table.sample_batch_tokens[-1] + 1)
+    seconds = np.interp(dense, probes, 1.0 / np.asarray(table.sample_steps_per_sec))
+    return SpsCostTable(tuple(int(b) for b in dense), tuple((1.0 / seconds).tolist()), table.max_batch_tokens)
+
+
 def probe_batch_sizes(max_batch_tokens: int) -> list[int]:
     """Probe points for profiling: powers of two up to ``max_batch_tokens`` plus the
     quarter points between consecutive powers from 8 up (where kernels change tiles),

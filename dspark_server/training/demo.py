@@ -65,7 +65,10 @@ def main(argv: list[str] | None = None) -> int:
         "--gamma", "7", "--head", "markov", "--layers", "1", "--markov-rank", "64",
         "--steps", str(a.draft_steps), "--batch-size", "8", "--seq-len", "320", "--anchors-per-seq", "48",
         "--lr", "6e-4", "--threads", "2", "--max-minutes", str(a.draft_minutes)]))
-    _stage("calibration", draft_dir / "sts_calibration.json", lambda: _calibrate(work, target_dir, draft_dir))
+    _stage("calibration", draft_dir / "sts_calibration.json",
+           lambda: _calibrate(work, target_dir, draft_dir, 1.0, "sts_calibration.json"))
+    _stage("greedy calibration", draft_dir / "sts_calibration_greedy.json",
+           lambda: _calibrate(work, target_dir, draft_dir, 0.0, "sts_calibration_greedy.json"))
     if a.install:
         for src, dst in ((target_dir, DEMO_TARGET), (draft_dir, DEMO_DRAFT)):
             shutil.rmtree(dst, ignore_errors=True)
@@ -92,7 +95,7 @@ def calibration_prompts(work: Path, limit: int = 200) -> Path:
     return out
 
 
-def _calibrate(work: Path, target_dir: Path, draft_dir: Path) -> None:
+def _calibrate(work: Path, target_dir: Path, draft_dir: Path, temperature: float, name: str) -> None:
     from dspark_server.config import EngineConfig, SpeculativeConfig
     from dspark_server.jobs.calibrate import CalibrateConfig, run_calibration
     from dspark_server.offline import GenerateConfig
@@ -100,8 +103,8 @@ def _calibrate(work: Path, target_dir: Path, draft_dir: Path) -> None:
     prompts = calibration_prompts(work)
     engine = EngineConfig(model_dir=str(target_dir), draft_dir=str(draft_dir),
                           spec=SpeculativeConfig(mode="fixed"))
-    gen = GenerateConfig(prompts=str(prompts), max_tokens=96, temperature=1.0, seed=0, concurrency=16)
-    run_calibration(CalibrateConfig(engine=engine, generate=gen, out=str(draft_dir / "sts_calibration.json")))
+    gen = GenerateConfig(prompts=str(prompts), max_tokens=96, temperature=temperature, seed=0, concurrency=16)
+    run_calibration(CalibrateConfig(engine=engine, generate=gen, out=str(draft_dir / name)))
 
 
 if __name__ == "__main__":

@@ -1,0 +1,39 @@
+"""What a speculative step costs besides its verification forward, for the planner's cost model.
+
+A step = draft pass + plan + verification forward + rejection sampling and commit. The SPS table
+prices only the forward; the draft pass is measured in the step itself (it is over before the plan
+is made), and the rest — sampling, commit, bookkeeping, which grow with the number of requests — is
+a moving average per load bucket (powers of two) of earlier steps.
+"""
+
+from __future__ import annotations
+
+import math
+
+
+class StepOverhead:
+    def __init__(self, smoothing: float = 0.1) -> None:
+        if not 0.0 < smoothing <= 1.0:
+            raise ValueError("smoothing must be in (0, 1]")
+        self.smoothing = smoothing
+        self._post: dict[int, float] = {}
+
+    @staticmethod
+    def bucket_of(num_requests: int) -> int:
+        return max(1, num_requests).bit_length()
+
+    def record(self, num_requests: int, step_s: float, forward_s: float, draft_s: float) -> None:
+        """One finished decode-only step: its wall time and the parts priced elsewhere."""
+        post = step_s - forward_s - draft_s
+        if not math.isfinite(post) or post < 0:
+            return
+        key = self.bucket_of(num_requests)
+        old = self._post.get(key)
+        self._post[key] = post if old is None else (1 - self.smoothing) * old + self.smoothing * post
+
+    def post_seconds(self, num_requests: int) -> float:
+        """Expected seconds after the forward (0 until a step at this load was measured)."""
+        return self._post.get(self.bucket_of(num_requests), 0.0)
+
+    def overhead(self, num_requests: int, draft_s: float) -> float:
+        return draft_s + self.post_seconds(num_requests)
