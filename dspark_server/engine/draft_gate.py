@@ -3,8 +3,9 @@
 The DSpark planner prices verification with the SPS table but treats drafting as free. On a CPU
 with a small target a draft step can cost several verification steps, so at high concurrency, where
 the planner admits almost no drafts, drafting would only slow every step down. The gate keeps, per
-concurrency bucket (powers of two), exponential moving averages of the tokens emitted per second
-and of the step time, for steps that drafted and for plain steps, and takes the faster choice.
+concurrency bucket (powers of two), exponential moving averages of the tokens a step emits and of
+its time, for steps that drafted and for plain steps, and takes the choice with more tokens per
+second.
 
 It keeps both estimates current by now and then spending a step on the slower choice, at most
 ``max_explore_overhead`` of the bucket's time: when a draft step costs five plain steps the gate
@@ -23,14 +24,21 @@ from dataclasses import dataclass
 
 @dataclass
 class _Estimate:
-    rate: float = math.nan  # tokens emitted per second
-    seconds: float = math.nan  # one step
+    """Moving averages of a step's emitted tokens and of its seconds; their ratio is the rate
+    (a ratio of means: one lucky 8-token step must not outweigh many 1-token ones)."""
 
-    def update(self, rate: float, seconds: float, smoothing: float) -> None:
-        if math.isnan(self.rate):
-            self.rate, self.seconds = rate, seconds
+    tokens: float = math.nan
+    seconds: float = math.nan
+
+    @property
+    def rate(self) -> float:
+        return self.tokens / self.seconds
+
+    def update(self, tokens: float, seconds: float, smoothing: float) -> None:
+        if math.isnan(self.seconds):
+            self.tokens, self.seconds = tokens, seconds
         else:
-            self.rate = (1 - smoothing) * self.rate + smoothing * rate
+            self.tokens = (1 - smoothing) * self.tokens + smoothing * tokens
             self.seconds = (1 - smoothing) * self.seconds + smoothing * seconds
 
 
@@ -42,7 +50,7 @@ class _Bucket:
 
 
 class DraftGate:
-    def __init__(self, explore_every: int = 16, smoothing: float = 0.2,
+    def __init__(self, explore_every: int = 16, smoothing: float = 0.1,
                  max_explore_overhead: float = 0.02) -> None:
         if explore_every < 2 or not 0.0 < smoothing <= 1.0 or not 0.0 < max_explore_overhead < 1.0:
             raise ValueError("explore_every must be >= 2, smoothing in (0, 1], "
@@ -88,7 +96,7 @@ class DraftGate:
         if seconds <= 0 or not math.isfinite(seconds):
             return
         b = self._bucket(num_requests)
-        (b.draft if drafted else b.plain).update(tokens / seconds, seconds, self.smoothing)
+        (b.draft if drafted else b.plain).update(tokens, seconds, self.smoothing)
 
     def rates(self) -> dict[int, tuple[float, float]]:
         """bucket -> (drafting tokens/s, plain tokens/s), for metrics and tests."""
