@@ -18,10 +18,26 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        dtype = x.dtype
-        x32 = x.float()
-        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * x32.to(dtype)
+        # Hugging Face's order: normalise in float32, cast back, then scale by the weight
+        normed = F.rms_norm(x.float(), (x.shape[-1],), eps=self.eps)
+        return self.weight * normed.to(x.dtype)
+
+
+def fuse_linears(*linears: nn.Linear) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """One weight (and bias) stacking the layers' output rows, for a single GEMM in place of
+    several small ones. The layers' parameters become views of it, so the state dict keeps its
+    names and no weight is stored twice."""
+    weight = torch.cat([lin.weight.data for lin in linears])
+    has_bias = linears[0].bias is not None
+    bias = torch.cat([lin.bias.data for lin in linears if lin.bias is not None]) if has_bias else None
+    row = 0
+    for lin in linears:
+        n = lin.weight.shape[0]
+        lin.weight.data = weight[row: row + n]
+        if bias is not None and lin.bias is not None:
+            lin.bias.data = bias[row: row + n]
+        row += n
+    return weight, bias
 
 
 class RotaryEmbedding(nn.Module):
@@ -68,5 +84,14 @@ class SwiGLU(nn.Module):
         self.up_proj = nn.Linear(hidden, intermediate, bias=False)
         self.down_proj = nn.Linear(intermediate, hidden, bias=False)
 
+        self._gate_up: tuple[torch.Tensor, torch.Tensor | None] | None = None
+
+    def fuse(self) -> None:
+        """Inference: gate and up projections as one GEMM (call once the weights are loaded)."""
+        self._gate_up = fuse_linears(self.gate_proj, self.up_proj)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self._gate_up is not None and not torch.is_grad_enabled():
+            gate, up = F.linear(x, *self._gate_up).chunk(2, dim=-1)
+            return self.down_proj(F.silu(gate) * up)
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))

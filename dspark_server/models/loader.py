@@ -72,6 +72,7 @@ def load_target(model_dir: str | Path, dtype: torch.dtype = torch.float32) -> Ta
     load_state(model, tensors, ignore=("model.rotary_emb.",))
     model.eval()
     model.requires_grad_(False)
+    model.fuse_projections()
     return model
 
 

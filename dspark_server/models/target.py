@@ -9,11 +9,12 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from dspark_server.config import ModelConfig
 from dspark_server.models.attention import AttentionBackend
-from dspark_server.models.layers import RMSNorm, RotaryEmbedding, SwiGLU, apply_rotary
+from dspark_server.models.layers import RMSNorm, RotaryEmbedding, SwiGLU, apply_rotary, fuse_linears
 
 
 @dataclass(frozen=True)
@@ -38,12 +39,23 @@ class SelfAttention(nn.Module):
             self.q_norm = RMSNorm(d, cfg.rms_norm_eps)
             self.k_norm = RMSNorm(d, cfg.rms_norm_eps)
 
+        self._qkv: tuple[torch.Tensor, torch.Tensor | None] | None = None
+
+    def fuse(self) -> None:
+        """Inference: q, k and v projections as one GEMM (call once the weights are loaded)."""
+        self._qkv = fuse_linears(self.q_proj, self.k_proj, self.v_proj)
+
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, layer: int,
                 attn: AttentionBackend) -> torch.Tensor:
         t = x.shape[0]
-        q = self.q_proj(x).view(t, self.num_heads, self.head_dim)
-        k = self.k_proj(x).view(t, self.num_kv_heads, self.head_dim)
-        v = self.v_proj(x).view(t, self.num_kv_heads, self.head_dim)
+        if self._qkv is not None and not torch.is_grad_enabled():
+            kv = self.num_kv_heads * self.head_dim
+            q, k, v = F.linear(x, *self._qkv).split([self.num_heads * self.head_dim, kv, kv], dim=-1)
+        else:
+            q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
+        q = q.reshape(t, self.num_heads, self.head_dim)
+        k = k.reshape(t, self.num_kv_heads, self.head_dim)
+        v = v.reshape(t, self.num_kv_heads, self.head_dim)
         if self.qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
@@ -116,6 +128,13 @@ class TargetModel(nn.Module):
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         return self.model.embed_tokens(input_ids)
+
+    def fuse_projections(self) -> None:
+        """For serving: one GEMM for q/k/v and one for gate/up in every layer (inference only;
+        training, with gradients on, keeps the separate projections)."""
+        for layer in self.model.layers:
+            layer.self_attn.fuse()
+            layer.mlp.fuse()
 
     def project_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Final norm + LM head applied to last-layer hidden states (shared with the drafter)."""
