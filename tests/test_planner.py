@@ -13,7 +13,7 @@ from dspark_server.planner import (
     PlannerConfig,
     SpsCostTable,
     allocate_budget,
-    interpolate_linear,
+    fit_roofline,
     make_planner,
     prefix_survival,
     steps_per_sec,
@@ -248,9 +248,9 @@ def test_allocate_budget_order_and_eps() -> None:
 
 def test_step_overhead_prices_a_step_as_overhead_plus_verification() -> None:
     # a steep curve: 5 ms per token (10 ms for 2 tokens, 20 ms for 4, 30 ms for 6)
-    table = SpsCostTable((2, 4, 6), (100.0, 50.0, 100 / 3), 6)
+    table = SpsCostTable((1, 2, 3, 4, 5, 6), (200.0, 100.0, 200 / 3, 50.0, 40.0, 100 / 3), 6)
     conf = torch.tensor([[0.6, 0.3], [0.6, 0.3]])  # survival 0.6, 0.18 per request
-    planner = make_planner(PlannerConfig(mode="dspark", gamma=2), interpolate_linear(table))
+    planner = make_planner(PlannerConfig(mode="dspark", gamma=2), fit_roofline(table))
     # SPS alone: one 0.6 draft costs 5 ms on a 10 ms step: (2.6 / 15 ms) < (2 / 10 ms): nothing
     assert planner.plan(conf).tolist() == [0, 0]
     # a 40 ms draft pass already spent: the same 5 ms buys 0.6 tokens on a 50 ms step
@@ -258,14 +258,23 @@ def test_step_overhead_prices_a_step_as_overhead_plus_verification() -> None:
     res = planner.plan_detailed(conf)
     assert res.verify_lens.tolist() == [1, 1]  # a 0.18 draft would not pay its 5 ms
     assert res.expected_throughput == pytest.approx(3.2 / 0.060)
-    assert steps_per_sec(table, 2, 3, 0.040).tolist() == pytest.approx([1 / 0.05, 1 / 0.05, 1 / 0.06])
+    assert steps_per_sec(table, 2, 3, 0.040).tolist() == pytest.approx([1 / 0.05, 1 / 0.055, 1 / 0.06])
     with pytest.raises(ValueError):
         planner.set_step_overhead(-1.0)
 
 
-def test_linear_interpolation_of_step_time_between_probes() -> None:
-    dense = interpolate_linear(SpsCostTable((1, 5), (100.0, 20.0), 8))
-    assert dense.sample_batch_tokens == (1, 2, 3, 4, 5) and dense.max_batch_tokens == 8
-    seconds = [1 / v for v in dense.sample_steps_per_sec]
-    assert seconds == pytest.approx([0.01, 0.02, 0.03, 0.04, 0.05])
-    assert dense.lookup(8) == pytest.approx(20.0)
+def test_roofline_fit_recovers_flat_then_linear_step_times() -> None:
+    # 10 ms flat up to 32 tokens, then +0.5 ms per token; probes scattered by +-10 % noise
+    rng = np.random.default_rng(0)
+    probes = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 192, 256)
+    true = [0.010 + 0.0005 * max(0, b - 32) for b in probes]
+    noisy = [t * (1 + 0.1 * (rng.random() * 2 - 1)) for t in true]
+    fit = fit_roofline(SpsCostTable(probes, tuple(1 / t for t in noisy), 256))
+    assert fit.sample_batch_tokens == tuple(range(1, 257))
+    seconds = np.array([1 / fit.lookup(b) for b in range(1, 257)])
+    assert np.all(np.diff(seconds) >= 0)  # never faster with more tokens
+    expected = 0.010 + 0.0005 * np.maximum(0, np.arange(1, 257) - 32)
+    assert np.max(np.abs(seconds / expected - 1)) < 0.12
+    # a flat (memory-bound) curve stays flat
+    flat = fit_roofline(SpsCostTable((1, 64, 512), (100.0, 100.0, 100.0), 512))
+    assert fit_roofline(flat).lookup(512) == pytest.approx(100.0) and flat.lookup(1) == pytest.approx(100.0)

@@ -44,7 +44,13 @@ from dspark_server.bench.common import (
     split_ints,
     write_json,
 )
-from dspark_server.planner import PlannerConfig, SpsCostTable, load_sps_table, make_planner
+from dspark_server.planner import (
+    PlannerConfig,
+    SpsCostTable,
+    fit_roofline,
+    load_sps_table,
+    make_planner,
+)
 
 # ---------------------------------------------------------------------------------------------
 # Recording
@@ -241,6 +247,9 @@ def run_oracle_command(a: argparse.Namespace, prompt_files: list[str], out: str)
         recording, engine = record_rounds(a, prompt_files, a.record_concurrency, progress=not a.quiet)
         write_json(out_dir / "rounds.json", recording)
     table, table_source = resolve_table(a, engine)
+    lookup = "step (largest probe <= B)"
+    if not getattr(a, "sps_only_cost", False):  # plan and score on the curve dspark serve plans with
+        table, lookup = fit_roofline(table), "roofline fitted to the probes (as dspark serve plans)"
     levels = split_ints(a.concurrency)
     replays = []
     for c in levels:
@@ -256,7 +265,8 @@ def run_oracle_command(a: argparse.Namespace, prompt_files: list[str], out: str)
         "kind": "oracle", "machine": machine_info(),
         "config": {"command": command_line(getattr(a, "argv", None)), "prompt_sets": recording["prompt_sets"],
                    "model": recording.get("model"), "draft": recording.get("draft"),
-                   "sps_table": table_source, "threshold": a.threshold, "concurrency": levels,
+                   "sps_table": table_source, "sps_lookup": lookup, "threshold": a.threshold,
+                   "concurrency": levels,
                    "rounds_file": a.rounds_file or str(out_dir / "rounds.json")},
         "recorded": {"requests": len(recording["requests"]), "rounds": n_rounds, "gamma": recording["gamma"],
                      "mean_accepted": sum(sum(r["accepted"]) for r in recording["requests"]) / n_rounds},

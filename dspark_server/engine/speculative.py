@@ -32,7 +32,7 @@ from dspark_server.planner import (
     SpsCostTable,
     StsCalibration,
     VerifyPlanner,
-    interpolate_linear,
+    fit_roofline,
     monotone_envelope,
 )
 
@@ -192,9 +192,9 @@ class SpeculativeDecoder:
         return torch.where(greedy_rows[:, None], greedy, sampled)
 
     def _planning_table(self, table: SpsCostTable) -> SpsCostTable:
-        """Measured-cost planning (overhead priced) also interpolates the step time between probes."""
-        table = monotone_envelope(table)
-        return interpolate_linear(table) if self.overhead is not None else table
+        """Measured-cost planning (overhead priced) also plans on the roofline fitted to the probes
+        (``fit_roofline``); the method doc's cost model uses the measured probes as they are."""
+        return fit_roofline(table) if self.overhead is not None else monotone_envelope(table)
 
     def _refresh_sps_table(self, every: int = 16) -> None:
         """Hand the planner the live-refreshed curve; it moves slowly, so every few steps."""

@@ -22,7 +22,7 @@ from .planner import (
 from .sps import (
     SpsCostTable,
     build_sps_table,
-    interpolate_linear,
+    fit_roofline,
     load_sps_table,
     monotone_envelope,
     plot_sps_table,
@@ -66,7 +66,7 @@ __all__ = [
     "load_sts_calibration",
     "make_planner",
     "monotone_envelope",
-    "interpolate_linear",
+    "fit_roofline",
     "steps_per_sec",
     "plot_reliability_diagram",
     "plot_sps_table",

@@ -228,18 +228,35 @@ def monotone_envelope(table: SpsCostTable) -> SpsCostTable:
     return table.with_steps_per_sec(sps)
 
 
-def interpolate_linear(table: SpsCostTable) -> SpsCostTable:
-    """A probe at every B from the first to the last probe, step time 1/SPS linear in between.
+def fit_roofline(table: SpsCostTable) -> SpsCostTable:
+    """A dense table (every B up to ``max_batch_tokens``) from the roofline that fits the probes'
+    step times best: flat at t0 up to a knee, then rising linearly, t(B) = max(t0, t0 + c (B - knee)).
 
-    The file format's lookup (largest probe <= B) is a step function: the one token that crosses
-    a probe is charged the whole drop to the next probe, and a greedy that stops at the first
-    non-improvement halts there even where the curve itself would pay for many more tokens. Time
-    interpolated between measured probes removes that artifact on steep (CPU) curves.
+    Memory-bound GPUs sit on the flat part for a long way; a compute-bound CPU leaves it almost at
+    once. Probes measured on a busy machine scatter around that shape, and their monotone envelope
+    turns the scatter into cliffs where one more token seems to cost a whole step; a greedy that
+    stops at the first non-improvement halts at the first cliff. The fit minimises squared
+    relative error over knee in the probes, t0 and c >= 0 (closed form for each knee).
     """
-    probes = np.asarray(table.sample_batch_tokens, dtype=np.float64)
-    dense = np.arange(table.sample_batch_tokens[0], table.sample_batch_tokens[-1] + 1)
-    seconds = np.interp(dense, probes, 1.0 / np.asarray(table.sample_steps_per_sec))
-    return SpsCostTable(tuple(int(b) for b in dense), tuple((1.0 / seconds).tolist()), table.max_batch_tokens)
+    b = np.asarray(table.sample_batch_tokens, dtype=np.float64)
+    t = 1.0 / np.asarray(table.sample_steps_per_sec, dtype=np.float64)
+    w = 1.0 / t**2  # relative error: probes span a few ms to a few hundred
+    best: tuple[float, float, float, float] | None = None  # (error, t0, c, knee)
+    for k in range(b.size):
+        flat, rise = b <= b[k], b > b[k]
+        t0 = float(np.sum(w[flat] * t[flat]) / np.sum(w[flat]))
+        dx, dy = b[rise] - b[k], t[rise] - t0
+        c = max(0.0, float(np.sum(w[rise] * dx * dy) / np.sum(w[rise] * dx * dx))) if rise.any() else 0.0
+        model = np.where(flat, t0, t0 + c * (b - b[k]))
+        err = float(np.sum(w * (t - model) ** 2))
+        if best is None or err < best[0]:
+            best = (err, t0, c, float(b[k]))
+    assert best is not None
+    _, t0, c, knee = best
+    dense = np.arange(1, table.max_batch_tokens + 1, dtype=np.float64)
+    seconds = t0 + c * np.maximum(0.0, dense - knee)
+    return SpsCostTable(tuple(range(1, table.max_batch_tokens + 1)), tuple((1.0 / seconds).tolist()),
+                        table.max_batch_tokens)
 
 
 def probe_batch_sizes(max_batch_tokens: int) -> list[int]:
