@@ -52,27 +52,28 @@ def build_speculative(cfg: EngineConfig, runner: ModelRunner) -> SpeculativeDeco
                               resolve_greedy_calibration(cfg))
 
 
-def resolve_calibration(cfg: EngineConfig, block: int) -> StsCalibration:
-    explicit = cfg.spec.calibration_path
-    path = Path(explicit) if explicit else Path(cfg.draft_dir or "") / CALIBRATION_FILE
+def _calibration_file(explicit: str | None, draft_dir: str | None, name: str) -> StsCalibration | None:
+    """The explicit file (which must exist), else ``name`` next to the drafter, else None."""
+    path = Path(explicit) if explicit else Path(draft_dir or "") / name
     if path.is_file():
         return load_sts_calibration(path)
     if explicit:
         raise FileNotFoundError(f"calibration file {explicit} does not exist")
-    log.warning("no STS calibration next to the drafter (%s): using raw confidences", path)
-    return StsCalibration.identity(block)
+    return None
+
+
+def resolve_calibration(cfg: EngineConfig, block: int) -> StsCalibration:
+    found = _calibration_file(cfg.spec.calibration_path, cfg.draft_dir, CALIBRATION_FILE)
+    if found is None:
+        log.warning("no STS calibration next to the drafter (%s): using raw confidences", cfg.draft_dir)
+        return StsCalibration.identity(block)
+    return found
 
 
 def resolve_greedy_calibration(cfg: EngineConfig) -> StsCalibration | None:
     """--greedy-calibration, else the drafter's sts_calibration_greedy.json, else None (greedy
     requests then use the sampling calibration)."""
-    explicit = cfg.spec.greedy_calibration_path
-    path = Path(explicit) if explicit else Path(cfg.draft_dir or "") / GREEDY_CALIBRATION_FILE
-    if path.is_file():
-        return load_sts_calibration(path)
-    if explicit:
-        raise FileNotFoundError(f"greedy calibration file {explicit} does not exist")
-    return None
+    return _calibration_file(cfg.spec.greedy_calibration_path, cfg.draft_dir, GREEDY_CALIBRATION_FILE)
 
 
 def resolve_sps_table(cfg: EngineConfig, runner: ModelRunner) -> SpsCostTable:
