@@ -27,20 +27,15 @@ from dspark_server.training.distill import (
     sampling_choice,
     user_turn,
 )
+from dspark_server.training.draft_batches import BatchOrder, anchor_generator, make_batch, split_heldout
+from dspark_server.training.draft_step import batch_loss, target_pass, train_step
 from dspark_server.training.draft_train import (
-    BatchOrder,
     DrafterArch,
     DraftTrainConfig,
-    anchor_generator,
-    batch_loss,
     build_drafter,
-    make_batch,
     make_optimizer,
     mask_token_id,
-    split_heldout,
-    target_pass,
     train_draft,
-    train_step,
 )
 from dspark_server.training.losses import LossConfig, gather_rows, label_positions, sample_anchors
 

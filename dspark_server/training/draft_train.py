@@ -32,34 +32,35 @@ import hashlib
 import json
 import logging
 import math
-import shutil
 import sys
 import time
 from dataclasses import asdict, dataclass, field
-from functools import lru_cache
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
-from safetensors.torch import load_file, save_file
 
-from dspark_server.models.attention import DenseCausalAttention
 from dspark_server.models.drafter import DSparkDrafter
 from dspark_server.models.drafter_checkpoint import save_drafter
 from dspark_server.models.drafter_config import DraftConfig, default_target_layer_ids
-from dspark_server.models.loader import load_state, load_target
+from dspark_server.models.loader import load_target
 from dspark_server.models.target import TargetModel
 from dspark_server.training.chat_format import MASK
-from dspark_server.training.distill import SequenceSet, load_sequences
+from dspark_server.training.distill import load_sequences
+from dspark_server.training.draft_batches import (
+    BatchOrder,
+    anchor_generator,
+    make_batch,
+    split_heldout,
+)
+from dspark_server.training.draft_checkpoints import find_checkpoint, load_checkpoint, save_checkpoint
+from dspark_server.training.draft_step import (
+    evaluate,
+    train_step,
+)
 from dspark_server.training.losses import (
     LossConfig,
-    LossOutput,
-    block_labels,
-    dspark_loss,
-    label_positions,
-    position_weights,
-    sample_anchors,
 )
 
 log = logging.getLogger(__name__)
@@ -171,231 +172,12 @@ def lr_at(step: int, cfg: DraftTrainConfig) -> float:
     return cfg.lr * (cfg.min_lr_ratio + (1 - cfg.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * frac)))
 
 
-# --------------------------------------------------------------------------------------- data
-
-
-def split_heldout(n: int, fraction: float, max_eval: int) -> tuple[np.ndarray, np.ndarray]:
-    """(train indices, held-out indices): an evenly spaced deterministic slice is held out."""
-    n_eval = min(max_eval, round(fraction * n)) if n >= 2 else 0
-    n_eval = max(1, n_eval) if n >= 2 and fraction > 0 else n_eval
-    held = np.zeros(0, np.int64)
-    if n_eval:
-        held = np.unique(np.linspace(0, n - 1, n_eval).round().astype(np.int64))
-    train = np.setdiff1d(np.arange(n, dtype=np.int64), held)
-    return train, held
-
-
-class BatchOrder:
-    """Sequence indices of step s: a seeded permutation per epoch, walked ``batch_size`` at a time.
-    A pure function of (seed, step), so a resumed run sees the same batches."""
-
-    def __init__(self, indices: np.ndarray, batch_size: int, seed: int) -> None:
-        if len(indices) == 0:
-            raise ValueError("no training sequences")
-        self.indices, self.batch_size, self.seed = indices, batch_size, seed
-
-    @lru_cache(maxsize=4)  # noqa: B019 - a handful of epochs, bounded
-    def _perm(self, epoch: int) -> np.ndarray:
-        return self.indices[np.random.default_rng([self.seed, epoch]).permutation(len(self.indices))]
-
-    def batch(self, step: int) -> list[int]:
-        n = len(self.indices)
-        flat = np.arange(step * self.batch_size, (step + 1) * self.batch_size)
-        return [int(self._perm(int(i // n))[i % n]) for i in flat]
-
-
-@dataclass(frozen=True)
-class Batch:
-    ids: torch.Tensor  # [B, S] long
-    loss_mask: torch.Tensor  # [B, S] float (1 on answer tokens)
-
-    @property
-    def num_tokens(self) -> int:
-        return int(self.ids.numel())
-
-
-def make_batch(data: SequenceSet, indices: list[int], seq_len: int, pad_id: int = 0) -> Batch:
-    """Right-pad (mask 0) the sequences to the longest one, cutting each at ``seq_len`` tokens.
-    Padding sits after every real token, so causal attention never lets a real row see it."""
-    parts = [data.get(i) for i in indices]
-    s = max(2, min(seq_len, max(len(p[0]) for p in parts)))
-    ids = torch.full((len(parts), s), pad_id, dtype=torch.long)
-    mask = torch.zeros(len(parts), s)
-    for r, (x, m) in enumerate(parts):
-        n = min(s, len(x))
-        ids[r, :n] = torch.from_numpy(x[:n].astype(np.int64))
-        mask[r, :n] = torch.from_numpy(m[:n].astype(np.float32))
-    return Batch(ids, mask)
-
-
-def anchor_generator(seed: int, step: int, salt: int = 0) -> torch.Generator:
-    return torch.Generator().manual_seed((seed * 1_000_003 + step) * 7 + salt)
-
-
-# -------------------------------------------------------------------------------------- model
-
-
-@torch.no_grad()
-def target_pass(target: TargetModel, drafter: DSparkDrafter, ids: torch.Tensor,
-                anchors: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Features [B, S, n*H] of every position and the target logits of every block row
-    [B, A, g, V] (row ``label - 1`` = anchor + k), computing the LM head only on needed rows."""
-    b, s = ids.shape
-    g = drafter.gamma
-    rows = (label_positions(anchors, g) - 1).clamp(0, s - 1)  # [B, A, g]
-    flat = (rows + torch.arange(b)[:, None, None] * s).reshape(-1)
-    uniq, inverse = torch.unique(flat, return_inverse=True)
-    out = target(ids.reshape(-1), torch.arange(s).repeat(b), DenseCausalAttention(b, s),
-                 logits_rows=uniq, capture_layers=drafter.capture_layers)
-    assert out.hidden is not None
-    return out.hidden.view(b, s, -1), out.logits[inverse].view(*rows.shape, -1)
-
-
-def greedy_tau(draft_logits: torch.Tensor, target_logits: torch.Tensor,
-               eval_mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Temperature-0 estimate: per block 1 + Σ_k Π_{i≤k} [argmax draft_i == argmax target_i]
-    (teacher-forced). -> (sum over valid blocks, number of valid blocks)."""
-    match = (draft_logits.argmax(-1) == target_logits.argmax(-1)) & eval_mask
-    blocks = eval_mask.any(-1)
-    per_block = 1.0 + match.int().cumprod(-1).sum(-1).float()
-    return (per_block * blocks).sum(), blocks.sum()
-
-
-@dataclass(frozen=True)
-class StepResult:
-    res: LossOutput
-    greedy_tau_sum: float  # NaN when not computed
-    blocks: int
-    weight: float  # Σ w of the batch (for weighting loss averages)
-
-
-def batch_loss(drafter: DSparkDrafter, target: TargetModel, batch: Batch, anchors_per_seq: int,
-               generator: torch.Generator, loss_cfg: LossConfig, with_greedy: bool = True) -> StepResult:
-    """Sample anchors, run the target and the drafter, compute the loss. ``with_greedy=False``
-    skips the τ_greedy metric (two argmax passes over [B, A, g, V])."""
-    g = drafter.gamma
-    anchors, valid = sample_anchors(batch.loss_mask, anchors_per_seq, generator=generator)
-    labels, eval_mask = block_labels(batch.ids, batch.loss_mask, anchors, valid, g)
-    feats, target_block = target_pass(target, drafter, batch.ids, anchors)
-    out = drafter.forward_train(feats, batch.ids, anchors)
-    res = dspark_loss(out.logits, target_block, labels, eval_mask, out.confidence_logits, loss_cfg)
-    with torch.no_grad():
-        nb = int(eval_mask.any(-1).sum())
-        gt = float(greedy_tau(out.logits, target_block, eval_mask)[0]) if with_greedy else float("nan")
-        w = float((eval_mask.float() * position_weights(g, loss_cfg.decay)).sum())
-    return StepResult(res, gt, nb, w)
+# ------------------------------------------------------------------------------------ optimizer
 
 
 def make_optimizer(drafter: DSparkDrafter, cfg: DraftTrainConfig) -> torch.optim.AdamW:
     params = [p for p in drafter.parameters() if p.requires_grad]
     return torch.optim.AdamW(params, lr=cfg.lr, weight_decay=cfg.weight_decay)
-
-
-def train_step(drafter: DSparkDrafter, target: TargetModel, opt: torch.optim.Optimizer, batch: Batch,
-               anchors_per_seq: int, generator: torch.Generator, lr: float, loss_cfg: LossConfig,
-               grad_clip: float = 1.0) -> tuple[StepResult, float]:
-    for group in opt.param_groups:
-        group["lr"] = lr
-    drafter.train()
-    r = batch_loss(drafter, target, batch, anchors_per_seq, generator, loss_cfg, with_greedy=False)
-    opt.zero_grad(set_to_none=True)
-    r.res.loss.backward()
-    params = [p for group in opt.param_groups for p in group["params"]]
-    gnorm = float(torch.nn.utils.clip_grad_norm_(params, grad_clip))
-    opt.step()
-    return r, gnorm
-
-
-@torch.no_grad()
-def evaluate(drafter: DSparkDrafter, target: TargetModel, batches: list[Batch], anchors_per_seq: int,
-             loss_cfg: LossConfig, seed: int = 0) -> dict[str, Any]:
-    """Held-out metrics with fixed anchors: loss terms (weighted like the loss), τ, τ_greedy,
-    per-position acceptance / TV / accuracy (weighted by supervised rows)."""
-    was = drafter.training
-    drafter.eval()
-    g = drafter.gamma
-    tot = {"loss": 0.0, "ce": 0.0, "tv": 0.0, "confidence": 0.0}
-    wsum = tau_sum = gtau_sum = 0.0
-    blocks = 0
-    acc = torch.zeros(g, dtype=torch.float64)
-    acc_pos = torch.zeros(g, dtype=torch.float64)
-    tv_pos = torch.zeros(g, dtype=torch.float64)
-    count = torch.zeros(g, dtype=torch.float64)
-    for i, batch in enumerate(batches):
-        r = batch_loss(drafter, target, batch, anchors_per_seq, anchor_generator(seed, i, salt=1), loss_cfg)
-        res = r.res
-        for k in tot:
-            tot[k] += float(getattr(res, k)) * r.weight
-        wsum += r.weight
-        tau_sum += float(res.tau) * r.blocks
-        gtau_sum += r.greedy_tau_sum
-        blocks += r.blocks
-        c = res.count_per_pos.double()
-        acc += res.accept_per_pos.double() * c
-        acc_pos += res.accuracy_per_pos.double() * c
-        tv_pos += res.tv_per_pos.double() * c
-        count += c
-    drafter.train(was)
-    per = count.clamp_min(1.0)
-    return {**{k: round(v / max(wsum, 1e-9), 5) for k, v in tot.items()},
-            "tau": round(tau_sum / max(blocks, 1), 4), "tau_greedy": round(gtau_sum / max(blocks, 1), 4),
-            "accept_per_pos": [round(float(x), 4) for x in acc / per],
-            "accuracy_per_pos": [round(float(x), 4) for x in acc_pos / per],
-            "tv_per_pos": [round(float(x), 4) for x in tv_pos / per],
-            "blocks": blocks}
-
-
-# --------------------------------------------------------------------------------- checkpoints
-
-
-def save_checkpoint(run_dir: str | Path, drafter: DSparkDrafter, opt: torch.optim.Optimizer,
-                    state: dict[str, Any]) -> Path:
-    """``run_dir/ckpt``: drafter.safetensors, optim.safetensors (AdamW moments flattened by
-    parameter index), state.json. Written to ``ckpt.tmp`` and swapped in, so a crash leaves the
-    previous checkpoint (or ``ckpt.old``) intact."""
-    run = Path(run_dir)
-    tmp, cur, old = run / "ckpt.tmp", run / "ckpt", run / "ckpt.old"
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir(parents=True)
-    save_file({k: v.detach().contiguous() for k, v in drafter.state_dict().items()},
-              str(tmp / "drafter.safetensors"), metadata={"format": "pt"})
-    flat: dict[str, torch.Tensor] = {}
-    for pid, st in opt.state_dict()["state"].items():
-        for k, v in st.items():
-            flat[f"{pid}.{k}"] = torch.as_tensor(v).detach().contiguous()
-    save_file(flat, str(tmp / "optim.safetensors"))
-    (tmp / "state.json").write_text(json.dumps(state, indent=1) + "\n")
-    shutil.rmtree(old, ignore_errors=True)
-    if cur.exists():
-        cur.rename(old)
-    tmp.rename(cur)
-    shutil.rmtree(old, ignore_errors=True)
-    return cur
-
-
-def find_checkpoint(run_dir: str | Path) -> Path | None:
-    run = Path(run_dir)
-    for d in (run / "ckpt", run / "ckpt.old"):
-        if (d / "state.json").is_file():
-            return d
-    return None
-
-
-def load_checkpoint(ckpt: str | Path, drafter: DSparkDrafter, opt: torch.optim.Optimizer) -> dict[str, Any]:
-    d = Path(ckpt)
-    state = json.loads((d / "state.json").read_text())
-    saved_cfg = DraftConfig.from_hf_dict(state["draft_config"])
-    if saved_cfg != drafter.config:
-        raise ValueError(f"checkpoint {d} is for another drafter configuration:\n  saved {saved_cfg}\n"
-                         f"  now   {drafter.config}")
-    load_state(drafter, load_file(str(d / "drafter.safetensors")))
-    osd = opt.state_dict()
-    per_param: dict[int, dict[str, torch.Tensor]] = {}
-    for key, v in load_file(str(d / "optim.safetensors")).items():
-        pid, name = key.split(".", 1)
-        per_param.setdefault(int(pid), {})[name] = v
-    opt.load_state_dict({"state": per_param, "param_groups": osd["param_groups"]})
-    return state
 
 
 # ------------------------------------------------------------------------------------ training
