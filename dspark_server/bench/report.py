@@ -258,9 +258,33 @@ def oracle_markdown(result: dict[str, Any]) -> str:
     return "\n".join(out)
 
 
+def acceptance_summary(result: dict[str, Any]) -> list[str]:
+    """τ of every drafter per prompt set, and the first drafter's gain over each of the others."""
+    sets = list(result["results"])
+    labels = [e["label"] for e in result["results"][sets[0]]] if sets else []
+    if len(labels) < 2:
+        return []
+    header = ["prompts"] + [f"τ {lb}" for lb in labels] + [f"{labels[0]} vs {lb}" for lb in labels[1:]]
+    rows, gains = [], {lb: [] for lb in labels[1:]}
+    for ps in sets:
+        tau = {e["label"]: e["mean_acceptance_length"] for e in result["results"][ps]}
+        row = [ps] + [_fmt(tau.get(lb)) for lb in labels]
+        for lb in labels[1:]:
+            g = tau[labels[0]] / tau[lb] - 1 if tau.get(lb) else math.nan
+            gains[lb].append(g)
+            row.append(f"{g:+.1%}" if math.isfinite(g) else "–")
+        rows.append(row)
+    mean = ["mean"] + ["" for _ in labels] + [f"{sum(v) / len(v):+.1%}" for v in gains.values()]
+    return [_table(header, rows + [mean]), ""]
+
+
 def acceptance_markdown(result: dict[str, Any]) -> str:
+    cfg = result["config"]
     out = [f"## {result.get('title', 'Per-position acceptance')}", "", machine_line(result["machine"]), "",
-           f"Command: `{result['config'].get('command', '')}`", ""]
+           f"Command: `{cfg.get('command', '')}`", "",
+           f"Temperature {cfg.get('temperature', 0.0)}, first {cfg.get('limit')} prompts per file, "
+           f"{cfg.get('max_tokens')} new tokens, every round verifies all γ drafts.", ""]
+    out += acceptance_summary(result)
     for ps, entries in result["results"].items():
         gamma = max(e["gamma"] for e in entries)
         out += [f"### {ps}", ""]
