@@ -28,19 +28,12 @@ restart`` starts one at a time instead (interleaving then happens per round).
 from __future__ import annotations
 
 import asyncio
-import contextlib
-import json
 import logging
 import math
-import random
-import signal
-import socket
 import statistics
-import subprocess
 import sys
-import time
-from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass, field
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -52,343 +45,18 @@ from dspark_server.bench.common import (
     machine_info,
     write_json,
 )
+from dspark_server.bench.load_client import RequestResult, chat_payload, run_load
+from dspark_server.bench.managed_server import ManagedServer, available_memory
+from dspark_server.bench.server_metrics import (
+    COUNTERS,
+    derived_from_deltas,
+    detect_mode,
+    metric_deltas,
+    scrape,
+)
+from dspark_server.bench.serving_config import REQUESTS_PER_SLOT, ServingConfig
 
 log = logging.getLogger(__name__)
-
-Samples = dict[tuple[str, tuple[tuple[str, str], ...]], float]
-SERVER_START_TIMEOUT_S = 300.0  # a dspark-mode server may profile SPS at start-up (<= 25 s)
-# Closed loop: at least this many requests per concurrency slot, so that the ramp-down at the end
-# of a run (fewer requests left than slots) is not most of it.
-REQUESTS_PER_SLOT = 2
-
-
-@dataclass(frozen=True)
-class ServingConfig:
-    prompt_files: tuple[str, ...]
-    concurrency: tuple[int, ...]
-    out: str
-    modes: tuple[str, ...] = ("off", "fixed", "threshold", "dspark")
-    urls: tuple[str, ...] = ()  # empty: --self-host
-    limit: int | None = None
-    num_requests: int | None = None  # per run; default max(prompts, 2 x concurrency), prompts cycled
-    max_tokens: int = 128
-    temperature: float = 0.0
-    ignore_eos: bool = False
-    request_rate: float | None = None  # Poisson arrivals (req/s); concurrency still caps in flight
-    rounds: int = 1
-    seed: int = 0
-    warmup_requests: int = 2
-    server_args: tuple[str, ...] = ()  # flags for `dspark serve` (self-host)
-    server_policy: str = "auto"  # auto | all | restart
-    api_key: str | None = None
-    request_timeout_s: float = 900.0
-    progress: bool = True
-    plots: bool = True
-    command: str = ""
-
-
-# ---------------------------------------------------------------------------------------------
-# One request
-
-
-@dataclass
-class RequestResult:
-    index: int
-    start: float  # perf_counter when sent
-    ok: bool = False
-    error: str | None = None
-    status: int | None = None
-    ttft: float | None = None
-    e2e: float | None = None
-    itl: list[float] = field(default_factory=list)
-    chunks: int = 0
-    prompt_tokens: int = 0
-    completion_tokens: int = 0
-    finish_reason: str | None = None
-    spec: dict[str, Any] | None = None
-
-    @property
-    def tpot(self) -> float | None:
-        if self.ttft is None or self.e2e is None or self.completion_tokens < 2:
-            return None
-        return (self.e2e - self.ttft) / (self.completion_tokens - 1)
-
-
-def chat_payload(prompt: str, cfg: ServingConfig, index: int) -> dict[str, Any]:
-    body: dict[str, Any] = {
-        "messages": [{"role": "user", "content": prompt}],
-        "max_tokens": cfg.max_tokens,
-        "temperature": cfg.temperature,
-        "stream": True,
-        "stream_options": {"include_usage": True},
-        "seed": cfg.seed + index,
-    }
-    if cfg.ignore_eos:
-        body["ignore_eos"] = True
-    return body
-
-
-async def send_request(client: Any, base_url: str, payload: dict[str, Any], index: int,
-                       headers: dict[str, str] | None = None) -> RequestResult:
-    """POST one streaming chat completion; timestamps every SSE chunk as it arrives."""
-    import httpx
-
-    res = RequestResult(index=index, start=time.perf_counter())
-    last_content: float | None = None
-    done = usage_seen = False
-    try:
-        async with client.stream("POST", f"{base_url}/v1/chat/completions", json=payload,
-                                 headers=headers) as resp:
-            res.status = resp.status_code
-            if resp.status_code != 200:
-                body = (await resp.aread()).decode(errors="replace")
-                res.error = f"HTTP {resp.status_code}: {body[:500]}"
-                return res
-            async for line in resp.aiter_lines():
-                if not line.startswith("data:"):
-                    continue
-                now = time.perf_counter()
-                data = line[5:].strip()
-                if data == "[DONE]":
-                    done = True
-                    res.e2e = now - res.start
-                    break
-                chunk = json.loads(data)
-                if "error" in chunk:
-                    res.error = f"error event: {json.dumps(chunk['error'])[:500]}"
-                    return res
-                if chunk.get("usage"):
-                    usage_seen = True
-                    u = chunk["usage"]
-                    res.prompt_tokens = int(u["prompt_tokens"])
-                    res.completion_tokens = int(u["completion_tokens"])
-                    res.spec = u.get("spec")
-                for choice in chunk.get("choices") or ():
-                    if res.ttft is None:  # the first chunk (role) is sent with the first token
-                        res.ttft = now - res.start
-                    if choice.get("delta", {}).get("content"):
-                        res.chunks += 1
-                        if last_content is not None:
-                            res.itl.append(now - last_content)
-                        last_content = now
-                    if choice.get("finish_reason"):
-                        res.finish_reason = choice["finish_reason"]
-    except (httpx.HTTPError, json.JSONDecodeError, KeyError, ValueError, TypeError) as exc:
-        res.error = f"{type(exc).__name__}: {exc}"
-        return res
-    if not done:
-        res.error = "stream ended without data: [DONE]"
-    elif not usage_seen:
-        res.error = "stream had no usage chunk (stream_options.include_usage was ignored?)"
-    elif res.ttft is None:
-        res.error = "stream had no choices chunk"
-    else:
-        res.ok = True
-    return res
-
-
-async def run_load(client: Any, base_url: str, payloads: Sequence[dict[str, Any]], concurrency: int,
-                   request_rate: float | None, seed: int, headers: dict[str, str] | None = None,
-                   on_done: Callable[[RequestResult], None] | None = None,
-                   ) -> tuple[list[RequestResult], float, float]:
-    """Closed loop (``request_rate`` None: ``concurrency`` requests always in flight) or open loop
-    (Poisson arrivals at ``request_rate``/s, at most ``concurrency`` in flight). Returns the
-    results in payload order and the run's (start, end) perf_counter times."""
-    arrivals = [0.0] * len(payloads)
-    if request_rate:
-        rng = random.Random(seed)
-        t = 0.0
-        for i in range(len(payloads)):
-            arrivals[i] = t
-            t += rng.expovariate(request_rate)
-    sem = asyncio.Semaphore(concurrency)
-    t0 = time.perf_counter()
-
-    async def one(i: int) -> RequestResult:
-        if request_rate:
-            delay = t0 + arrivals[i] - time.perf_counter()
-            if delay > 0:
-                await asyncio.sleep(delay)
-        async with sem:
-            r = await send_request(client, base_url, payloads[i], i, headers)
-        if on_done:
-            on_done(r)
-        return r
-
-    results = await asyncio.gather(*(one(i) for i in range(len(payloads))))
-    return list(results), t0, time.perf_counter()
-
-
-# ---------------------------------------------------------------------------------------------
-# /metrics
-
-
-async def scrape(client: Any, base_url: str) -> Samples:
-    from prometheus_client.parser import text_string_to_metric_families
-
-    resp = await client.get(f"{base_url}/metrics", timeout=30)
-    resp.raise_for_status()
-    out: Samples = {}
-    for family in text_string_to_metric_families(resp.text):
-        for s in family.samples:
-            out[(s.name, tuple(sorted(s.labels.items())))] = s.value
-    return out
-
-
-def _value(samples: Samples, name: str, **labels: str) -> float:
-    return samples.get((name, tuple(sorted(labels.items()))), 0.0)
-
-
-def _per_position(samples: Samples, name: str) -> dict[int, float]:
-    return {int(dict(lbl)["position"]): v for (n, lbl), v in samples.items()
-            if n == name and "position" in dict(lbl)}
-
-
-def detect_mode(samples: Samples) -> str:
-    for (name, labels), v in samples.items():
-        if name == "dspark_spec_planner_info" and v == 1:
-            return dict(labels).get("mode", "spec")
-    return "off"
-
-
-COUNTERS = {
-    "generation_tokens": "dspark_generation_tokens_total",
-    "prompt_tokens": "dspark_prompt_tokens_total",
-    "engine_steps": "dspark_engine_steps_total",
-    "preemptions": "dspark_num_preemptions_total",
-    "spec_rounds": "dspark_spec_decode_num_drafts_total",
-    "spec_draft_tokens": "dspark_spec_decode_num_draft_tokens_total",
-    "spec_verified_tokens": "dspark_spec_decode_num_verified_tokens_total",
-    "spec_accepted_tokens": "dspark_spec_decode_num_accepted_tokens_total",
-    "spec_emitted_tokens": "dspark_spec_decode_num_emitted_tokens_total",
-    "verify_steps": "dspark_spec_verify_tokens_per_step_count",
-    "verify_budget_sum": "dspark_spec_verify_tokens_per_step_sum",
-    "forwards": "dspark_batch_tokens_count",
-    "batch_tokens_sum": "dspark_batch_tokens_sum",
-    "forward_seconds_sum": "dspark_model_forward_seconds_sum",
-}
-
-
-def metric_deltas(before: Samples, after: Samples) -> dict[str, Any]:
-    d: dict[str, Any] = {k: _value(after, n) - _value(before, n) for k, n in COUNTERS.items()}
-    for key, name in (("accepted_per_position", "dspark_spec_decode_num_accepted_tokens_per_pos_total"),
-                      ("verified_per_position", "dspark_spec_decode_num_verified_tokens_per_pos_total")):
-        a, b = _per_position(after, name), _per_position(before, name)
-        d[key] = [a.get(k, 0.0) - b.get(k, 0.0) for k in sorted(a)]
-    return d
-
-
-def derived_from_deltas(d: dict[str, Any]) -> dict[str, Any]:
-    """Acceptance / verification figures of one run (or the sum of several) from metric deltas.
-    Plain decoding (no rounds) emits one token per request per step and verifies no draft."""
-    rounds = d["spec_rounds"]
-    verified_pp, accepted_pp = d.get("verified_per_position", []), d.get("accepted_per_position", [])
-    return {
-        "mean_acceptance_length": d["spec_emitted_tokens"] / rounds if rounds else 1.0,
-        "mean_verified_drafts_per_request_step": d["spec_verified_tokens"] / rounds if rounds else 0.0,
-        "mean_verify_budget_per_step": (d["verify_budget_sum"] / d["verify_steps"]
-                                        if d["verify_steps"] else 0.0),
-        "draft_acceptance_rate": (d["spec_accepted_tokens"] / d["spec_verified_tokens"]
-                                  if d["spec_verified_tokens"] else math.nan),
-        "mean_batch_tokens": d["batch_tokens_sum"] / d["forwards"] if d["forwards"] else math.nan,
-        "mean_requests_per_spec_step": rounds / d["verify_steps"] if d["verify_steps"] else math.nan,
-        "per_position_acceptance": [a / v if v else math.nan for a, v in zip(accepted_pp, verified_pp,
-                                                                             strict=False)],
-    }
-
-
-# ---------------------------------------------------------------------------------------------
-# Self-hosted servers
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-class ManagedServer:
-    """`dspark serve --spec-mode MODE ...` on a loopback port, its log in a file."""
-
-    def __init__(self, mode: str, server_args: Sequence[str], log_dir: Path) -> None:
-        self.mode = mode
-        self.port = free_port()
-        self.base_url = f"http://127.0.0.1:{self.port}"
-        log_dir.mkdir(parents=True, exist_ok=True)
-        self.log_path = log_dir / f"server-{mode}.log"
-        self._log = self.log_path.open("a")
-        args = list(server_args)
-        if mode == "off":  # the drafter would only be loaded to be ignored
-            args = _drop_flag(args, "--draft")
-        cmd = [sys.executable, "-m", "dspark_server.cli", "serve", "--host", "127.0.0.1",
-               "--port", str(self.port), "--spec-mode", mode, *args]
-        self._log.write(f"$ {' '.join(cmd)}\n")
-        self._log.flush()
-        self.proc = subprocess.Popen(cmd, stdout=self._log, stderr=subprocess.STDOUT,
-                                     start_new_session=True)
-
-    def log_tail(self, n: int = 40) -> str:
-        self._log.flush()
-        return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-n:])
-
-    def wait_ready(self, timeout: float = SERVER_START_TIMEOUT_S) -> None:
-        import httpx
-
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise BenchError(f"`dspark serve --spec-mode {self.mode}` exited with code "
-                                 f"{self.proc.returncode}; log {self.log_path}:\n{self.log_tail()}")
-            with contextlib.suppress(httpx.HTTPError):
-                if httpx.get(f"{self.base_url}/ready", timeout=2.0).status_code == 200:
-                    return
-            time.sleep(0.2)
-        raise BenchError(f"`dspark serve --spec-mode {self.mode}` not ready after {timeout:.0f} s; "
-                         f"log {self.log_path}:\n{self.log_tail()}")
-
-    def rss_bytes(self) -> int | None:
-        try:
-            for line in Path(f"/proc/{self.proc.pid}/status").read_text().splitlines():
-                if line.startswith("VmRSS:"):
-                    return int(line.split()[1]) * 1024
-        except OSError:
-            return None
-        return None
-
-    def stop(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(30)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait(10)
-        self._log.close()
-
-
-def _drop_flag(args: list[str], flag: str) -> list[str]:
-    out, skip = [], False
-    for a in args:
-        if skip:
-            skip = False
-            continue
-        if a == flag:
-            skip = True
-            continue
-        if a.startswith(flag + "="):
-            continue
-        out.append(a)
-    return out
-
-
-def _mem_available() -> int | None:
-    try:
-        for line in Path("/proc/meminfo").read_text().splitlines():
-            if line.startswith("MemAvailable:"):
-                return int(line.split()[1]) * 1024
-    except OSError:
-        return None
-    return None
 
 
 # ---------------------------------------------------------------------------------------------
@@ -456,7 +124,7 @@ async def _run_serving(cfg: ServingConfig) -> dict[str, Any]:
                 if len(set(modes)) != len(modes):
                     raise BenchError(f"--modes lists a mode twice: {modes}")
                 if policy == "auto":
-                    avail = _mem_available()
+                    avail = available_memory()
                     policy = "all" if avail is None or avail > len(modes) * (2 << 30) else "restart"
                 if policy == "all":
                     # One after another: a dspark server may profile SPS at start-up, which must not
