@@ -84,7 +84,7 @@ def _sglang_config(a: argparse.Namespace, spec_mode: str | None = None) -> SGLan
 
 def _require_sglang() -> None:
     """Refuse before the port opens, with one line instead of a traceback."""
-    from dspark_server.backends.sglang import SGLangUnavailableError, require_sglang_runtime
+    from dspark_server.backends.sglang_runtime import SGLangUnavailableError, require_sglang_runtime
 
     try:
         require_sglang_runtime()

@@ -30,12 +30,7 @@ import numpy as np
 import pytest
 import torch
 
-from dspark_server.backends.sglang import (
-    SGLangBackend,
-    SGLangUnavailableError,
-    check_draft_for_sglang,
-    require_sglang_runtime,
-)
+from dspark_server.backends.sglang import SGLangBackend
 from dspark_server.backends.sglang_args import (
     FLAG_MAPPING,
     SGLangConfig,
@@ -45,6 +40,11 @@ from dspark_server.backends.sglang_args import (
     parse_extra_server_args,
     sampling_params_to_sglang,
     spec_counts_from_meta_info,
+)
+from dspark_server.backends.sglang_runtime import (
+    SGLangUnavailableError,
+    check_draft_for_sglang,
+    require_sglang_runtime,
 )
 from dspark_server.config import ServerConfig
 from dspark_server.engine.backend import QueueFullError
@@ -794,7 +794,7 @@ def test_backend_refuses_mismatched_calibration(tiny_model: Path, drafters: dict
 
 
 def test_default_calibration_and_profile_files(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    from dspark_server.backends.sglang import with_default_files
+    from dspark_server.backends.sglang_runtime import with_default_files
     from dspark_server.planner import StsCalibration, save_sts_calibration
 
     draft = tmp_path / "draft"

@@ -155,7 +155,11 @@ def _load_profiler(vocab_size: int) -> Any:
 
 
 def run_sglang_profile(cfg: SGLangProfileConfig) -> tuple[SpsCostTable, Path]:
-    from dspark_server.backends.sglang import check_draft_for_sglang, cuda_status, require_sglang_runtime
+    from dspark_server.backends.sglang_runtime import (
+        check_draft_for_sglang,
+        cuda_status,
+        require_sglang_runtime,
+    )
     from dspark_server.config import ModelConfig
 
     version = require_sglang_runtime()
