@@ -25,7 +25,7 @@ from prometheus_client.registry import Collector
 
 if TYPE_CHECKING:
     from dspark_server.engine.backend import Backend
-    from dspark_server.server.app import ServerState
+    from dspark_server.server.guard import ServerState
 
 disable_created_metrics()  # no *_created series: they double the exposition for nothing
 

@@ -23,7 +23,8 @@ import uvicorn
 
 from dspark_server.config import ServerConfig
 from dspark_server.engine.backend import Backend
-from dspark_server.server.app import ServerState, create_app
+from dspark_server.server.app import create_app
+from dspark_server.server.guard import ServerState
 
 log = logging.getLogger(__name__)
 
