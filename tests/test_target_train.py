@@ -11,10 +11,9 @@ import torch
 from dspark_server.config import ModelConfig
 from dspark_server.models.loader import load_target
 from dspark_server.training.chat_format import ENDOFTEXT, IM_END, chat_sample, plain_sample
+from dspark_server.training.target_data import DataConfig, TokenStream, tokenize_samples
 from dspark_server.training.target_train import (
-    DataConfig,
     TargetArch,
-    TokenStream,
     TrainConfig,
     build_model,
     export_model,
@@ -25,7 +24,6 @@ from dspark_server.training.target_train import (
     make_optimizer,
     masked_loss,
     save_checkpoint,
-    tokenize_samples,
     train_step,
 )
 from dspark_server.training.tokenizer_train import save_tokenizer, train_tokenizer_from_texts
