@@ -1,6 +1,8 @@
 """Time one DSpark draft step on CPU: batched backbone + gamma-step sequential loop (greedy).
 
     python -m dspark_server.bench.draft_timing --requests 1 64 --context 256
+    python -m dspark_server.bench.draft_timing --model dspark_server/assets/demo/target \
+        --drafts dspark_server/assets/demo/draft,work_data/drafters/rnn --json runs/draft_timing.json
 
 Reports the sequential head's share of the step (the paper: 0.2-1.3% of a GPU round). Random
 weights: timing only, no accuracy. Default sizes: a ~5M-parameter target (hidden 256, vocab 8192,
@@ -135,28 +137,36 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--rank", type=int, nargs="+", default=[64])
     p.add_argument("--repeats", type=int, default=30)
     p.add_argument("--threads", type=int, default=None)
+    p.add_argument("--model", default=None, help="a real target directory (instead of random weights)")
+    p.add_argument("--drafts", default=None, help="comma-separated drafter directories for --model")
     p.add_argument("--json", default=None, help="also write the rows to this file")
     args = p.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
     torch.manual_seed(0)
-    target = tiny_target()
+    if args.model:
+        from dspark_server.models.drafter_checkpoint import load_drafter
+        from dspark_server.models.loader import load_target
+
+        target = load_target(args.model)
+        drafters = [load_drafter(path, target) for path in (args.drafts or "").split(",") if path]
+    else:
+        target = tiny_target()
+        drafters = [build_drafter(target, head, rank) for head in args.heads for rank in args.rank]
     print(f"target params {sum(t.numel() for t in target.parameters()) / 1e6:.2f}M, "
           f"threads {torch.get_num_threads()}")
     rows = []
-    for head in args.heads:
-        for rank in args.rank:
-            d = build_drafter(target, head, rank)
-            print(f"drafter {head} rank {d.config.markov_rank}: "
-                  f"{sum(t.numel() for t in d.parameters()) / 1e6:.2f}M params")
-            for r in args.requests:
-                t = time_draft_step(d, r, args.context, args.repeats, target)
-                rows.append(t)
-                print(f"  R={r:3d} ctx={t.context}: backbone {t.backbone_ms:7.2f} ms | sequential "
-                      f"{t.sequential_ms:6.2f} ms | confidence {t.confidence_ms:5.2f} ms | step "
-                      f"{t.total_ms:7.2f} ms | sequential share {100 * t.sequential_share:5.1f}% "
-                      f"(head alone {100 * t.head_only_share:5.1f}%) | target verify "
-                      f"{t.verify_ms:7.2f} ms -> share of round {100 * t.round_share:5.1f}%")
+    for d in drafters:
+        print(f"drafter {d.config.head_type} rank {d.config.markov_rank}: "
+              f"{sum(t.numel() for t in d.parameters()) / 1e6:.2f}M params")
+        for r in args.requests:
+            t = time_draft_step(d, r, args.context, args.repeats, target)
+            rows.append(t)
+            print(f"  R={r:3d} ctx={t.context}: backbone {t.backbone_ms:7.2f} ms | sequential "
+                  f"{t.sequential_ms:6.2f} ms | confidence {t.confidence_ms:5.2f} ms | step "
+                  f"{t.total_ms:7.2f} ms | sequential share {100 * t.sequential_share:5.1f}% "
+                  f"(head alone {100 * t.head_only_share:5.1f}%) | target verify "
+                  f"{t.verify_ms:7.2f} ms -> share of round {100 * t.round_share:5.1f}%")
     if args.json:
         with open(args.json, "w") as f:
             json.dump([asdict(t) for t in rows], f, indent=2)
