@@ -103,7 +103,8 @@ def _calibrate(work: Path, target_dir: Path, draft_dir: Path, temperature: float
     prompts = calibration_prompts(work)
     engine = EngineConfig(model_dir=str(target_dir), draft_dir=str(draft_dir),
                           spec=SpeculativeConfig(mode="fixed"))
-    gen = GenerateConfig(prompts=str(prompts), max_tokens=128, temperature=temperature, seed=0, concurrency=16)
+    gen = GenerateConfig(prompts=str(prompts), max_tokens=128, temperature=temperature, seed=0,
+                         concurrency=16)
     run_calibration(CalibrateConfig(engine=engine, generate=gen, out=str(draft_dir / name)))
 
 
