@@ -1,10 +1,13 @@
 #!/usr/bin/env bash
-# Per-position acceptance: the DSpark drafter vs a parallel-only drafter (no sequential head).
-# The parallel-only drafter, with the demo drafter's data and steps (docs/models.md):
-#   dspark train draft --target dspark_server/assets/demo/target --data work_data/draft_data \
-#       --head none --out dspark_server/assets/demo/draft_none
+# τ and per-position acceptance: the DSpark drafter (Markov head) vs the parallel-only and RNN-head
+# ablations, the paper's offline setting (every round verifies all γ drafts), temperature 0 and 1.
+# The ablations are trained with the commands in docs/models.md (not shipped).
 source "$(dirname "$0")/common.sh"
-PARALLEL="${PARALLEL_DRAFT:-$DEMO/draft_none}"
-exec "$DSPARK" bench --suite acceptance --drafts "$DEMO/draft,$PARALLEL" --labels "dspark,parallel-only" \
-  --prompts "$PROMPTS/humaneval.jsonl,$PROMPTS/mt-bench.jsonl,$PROMPTS/gsm8k.jsonl" --limit "${LIMIT:-40}" \
-  --max-tokens "${MAX_TOKENS:-128}" --out "$OUT/paper/acceptance" "$@"
+PARALLEL="${PARALLEL_DRAFT:-$ROOT/work_data/drafters/none}"
+RNN="${RNN_DRAFT:-$ROOT/work_data/drafters/rnn}"
+for t in 0 1; do
+  "$DSPARK" bench --suite acceptance --drafts "$DEMO/draft,$PARALLEL,$RNN" --labels "markov,parallel-only,rnn" \
+    --prompts "$PROMPTS/humaneval.jsonl,$PROMPTS/mbpp.jsonl,$PROMPTS/gsm8k.jsonl,$PROMPTS/mt-bench.jsonl" \
+    --limit "${LIMIT:-50}" --max-tokens "${MAX_TOKENS:-128}" --temperature "$t" --seed 0 \
+    --record-concurrency 16 --out "$OUT/paper/acceptance_t$t" "$@"
+done

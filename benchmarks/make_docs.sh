@@ -2,9 +2,12 @@
 # docs/benchmarks.md from the result JSON files above (tables are generated, never typed).
 source "$(dirname "$0")/common.sh"
 files=()
-for f in serving/results.json paper/concurrency/concurrency.json peers/peers.json oracle/oracle.json \
-         paper/acceptance/acceptance.json \
-         paper/gamma/acceptance.json paper/threshold_sweep/threshold_sweep.json paper/ece/ece.json; do
-  if [[ -f "$OUT/$f" ]]; then files+=(--results "$OUT/$f"); fi
+for f in decode/results.json generate_modes/results.json "$ROOT/profiles/target__amd-epyc__2t.json" \
+         paper/acceptance_t0/acceptance.json paper/acceptance_t1/acceptance.json \
+         draft_timing/draft_timing.json paper/ece/ece.json \
+         serving/results.json paper/concurrency/concurrency.json oracle/oracle.json peers/peers.json \
+         paper/gamma/acceptance.json paper/threshold_sweep/threshold_sweep.json; do
+  [[ "$f" = /* ]] || f="$OUT/$f"
+  if [[ -f "$f" ]]; then files+=(--results "$f"); fi
 done
 exec "$DSPARK" bench --suite report "${files[@]}" --title "Benchmarks" --out "${DOC:-$ROOT/docs/benchmarks.md}"

@@ -11,8 +11,8 @@ from __future__ import annotations
 
 import argparse
 import json
-import platform
 import statistics
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -20,6 +20,7 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
+from dspark_server.bench.common import machine_info
 from dspark_server.config import EngineConfig
 from dspark_server.engine.engine import LLMEngine
 from dspark_server.engine.request import SamplingParams
@@ -70,8 +71,11 @@ def main(argv: list[str] | None = None) -> None:
                 bar.update(1)
     tps = {c: statistics.median(v) for c, v in samples.items()}
     result = {
-        "machine": {"platform": platform.platform(), "processor": platform.processor(),
-                    "torch_threads": torch.get_num_threads()},
+        "kind": "decode_throughput",
+        "machine": {**machine_info(), "torch_threads": torch.get_num_threads()},
+        "config": {"command": "python -m dspark_server.bench.decode_throughput "
+                              + " ".join(sys.argv[1:] if argv is None else argv),
+                   "prompt_len": a.prompt_len, "rounds": a.rounds},
         "model_parameters": params,
         "new_tokens": a.new_tokens,
         "runs": [{"concurrency": c, "tokens_per_s": tps[c], "samples": samples[c],

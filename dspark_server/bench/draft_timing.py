@@ -12,10 +12,11 @@ weights: timing only, no accuracy. Default sizes: a ~5M-parameter target (hidden
 from __future__ import annotations
 
 import argparse
-import json
+import sys
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
+from pathlib import Path
 
 import torch
 
@@ -155,21 +156,28 @@ def main(argv: list[str] | None = None) -> None:
         drafters = [build_drafter(target, head, rank) for head in args.heads for rank in args.rank]
     print(f"target params {sum(t.numel() for t in target.parameters()) / 1e6:.2f}M, "
           f"threads {torch.get_num_threads()}")
-    rows = []
-    for d in drafters:
+    rows: list[dict[str, object]] = []
+    labels = ([p.rstrip("/").split("/")[-1] for p in (args.drafts or "").split(",") if p] if args.model
+              else [f"{d.config.head_type} r{d.config.markov_rank}" for d in drafters])
+    for label, d in zip(labels, drafters, strict=True):
         print(f"drafter {d.config.head_type} rank {d.config.markov_rank}: "
               f"{sum(t.numel() for t in d.parameters()) / 1e6:.2f}M params")
         for r in args.requests:
             t = time_draft_step(d, r, args.context, args.repeats, target)
-            rows.append(t)
+            rows.append({"label": label, **asdict(t)})
             print(f"  R={r:3d} ctx={t.context}: backbone {t.backbone_ms:7.2f} ms | sequential "
                   f"{t.sequential_ms:6.2f} ms | confidence {t.confidence_ms:5.2f} ms | step "
                   f"{t.total_ms:7.2f} ms | sequential share {100 * t.sequential_share:5.1f}% "
                   f"(head alone {100 * t.head_only_share:5.1f}%) | target verify "
                   f"{t.verify_ms:7.2f} ms -> share of round {100 * t.round_share:5.1f}%")
     if args.json:
-        with open(args.json, "w") as f:
-            json.dump([asdict(t) for t in rows], f, indent=2)
+        from dspark_server.bench.common import machine_info, write_json
+
+        write_json(Path(args.json), {
+            "kind": "draft_timing", "machine": {**machine_info(), "torch_threads": torch.get_num_threads()},
+            "config": {"command": "python -m dspark_server.bench.draft_timing " + " ".join(
+                sys.argv[1:] if argv is None else argv), "context": args.context, "repeats": args.repeats},
+            "rows": rows})
 
 
 if __name__ == "__main__":

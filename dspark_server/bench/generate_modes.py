@@ -22,9 +22,9 @@ import torch
 from tqdm import tqdm
 
 from dspark_server.assets import default_draft, default_target
+from dspark_server.bench.common import machine_info
 from dspark_server.config import EngineConfig, SpeculativeConfig
 from dspark_server.engine.engine import LLMEngine
-from dspark_server.engine.profiler import machine_description
 from dspark_server.offline import GenerateConfig, generate
 
 
@@ -91,7 +91,11 @@ def main(argv: list[str] | None = None) -> None:
         runs.append(row)
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
-    result = {"machine": machine_description(), "limit": a.limit, "max_tokens": a.max_tokens,
+    machine = {**machine_info(), "torch_threads": torch.get_num_threads()}
+    result = {"kind": "generate_modes", "machine": machine,
+              "config": {"command": "python -m dspark_server.bench.generate_modes "
+                                    + " ".join(sys.argv[1:] if argv is None else argv)},
+              "limit": a.limit, "max_tokens": a.max_tokens,
               "temperature": a.temperature, "concurrency": a.concurrency, "rounds": a.rounds,
               "model": model, "draft": draft, "runs": runs}
     (out / "results.json").write_text(json.dumps(result, indent=2))

@@ -15,37 +15,17 @@ from pathlib import Path
 from typing import Any
 
 from dspark_server.bench.common import pyplot
+from dspark_server.bench.report_common import fmt, machine_line, table
+from dspark_server.bench.report_engine import (
+    decode_throughput_markdown,
+    draft_timing_markdown,
+    generate_modes_markdown,
+    sps_markdown,
+)
 
 MODE_ORDER = ("off", "fixed", "threshold", "dspark", "dspark_budget")
 MODE_COLORS = {"off": "tab:gray", "fixed": "tab:blue", "threshold": "tab:orange", "dspark": "tab:red",
                "dspark_budget": "tab:purple", "oracle": "black"}
-
-
-def _fmt(x: Any, digits: int = 2, scale: float = 1.0) -> str:
-    if x is None or (isinstance(x, float) and not math.isfinite(x)):
-        return "–"
-    if isinstance(x, int) and scale == 1.0:
-        return str(x)
-    return f"{x * scale:.{digits}f}"
-
-
-def _table(header: Sequence[str], rows: Sequence[Sequence[str]]) -> str:
-    lines = ["| " + " | ".join(header) + " |", "| " + " | ".join("---" for _ in header) + " |"]
-    lines += ["| " + " | ".join(r) + " |" for r in rows]
-    return "\n".join(lines)
-
-
-def machine_line(machine: dict[str, Any]) -> str:
-    parts = [f"{machine.get('cpu', '?')}", f"{machine.get('cores', '?')} cores"]
-    if machine.get("memory_gib"):
-        parts.append(f"{machine['memory_gib']} GiB RAM")
-    if machine.get("torch"):
-        parts.append(f"torch {machine['torch']}")
-    if machine.get("git_commit"):
-        parts.append(f"commit {machine['git_commit']}")
-    if machine.get("load_average_1m") is not None:
-        parts.append(f"load {machine['load_average_1m']} at start")
-    return "Machine: " + ", ".join(parts) + "."
 
 
 def _mode_key(mode: str) -> tuple[int, str]:
@@ -101,13 +81,13 @@ def serving_markdown(result: dict[str, Any], title: str = "Serving sweep") -> st
                       key=lambda r: (r["concurrency"], _mode_key(r["mode"])))
         n = cfg.get("prompts_per_set", {}).get(ps)
         out += [f"### {ps}" + (f" ({n} prompts)" if n else ""), ""]
-        out.append(_table(header, [[
-            r["mode"], str(r["concurrency"]), _fmt(r["output_tokens_per_s"], 1),
-            _fmt(r.get("speedup_vs_off")), _fmt(r.get("speedup_vs_fixed")), _fmt(r["requests_per_s"], 3),
-            _fmt(r["mean_acceptance_length"]), _fmt(r["mean_verified_drafts_per_request_step"]),
-            _fmt(r["mean_verify_budget_per_step"], 1), _fmt(r["ttft_p50_s"], 3),
-            _fmt(r["tpot_p50_s"], 1, 1e3),
-            _fmt(r["itl_p50_s"], 1, 1e3), _fmt(r["e2e_p50_s"], 2), _fmt(r["e2e_p99_s"], 2), str(r["errors"]),
+        out.append(table(header, [[
+            r["mode"], str(r["concurrency"]), fmt(r["output_tokens_per_s"], 1),
+            fmt(r.get("speedup_vs_off")), fmt(r.get("speedup_vs_fixed")), fmt(r["requests_per_s"], 3),
+            fmt(r["mean_acceptance_length"]), fmt(r["mean_verified_drafts_per_request_step"]),
+            fmt(r["mean_verify_budget_per_step"], 1), fmt(r["ttft_p50_s"], 3),
+            fmt(r["tpot_p50_s"], 1, 1e3),
+            fmt(r["itl_p50_s"], 1, 1e3), fmt(r["e2e_p50_s"], 2), fmt(r["e2e_p99_s"], 2), str(r["errors"]),
         ] for r in rows]))
         out.append("")
     goals = serving_goals(result)
@@ -223,13 +203,13 @@ def peers_markdown(result: dict[str, Any]) -> str:
            f"{result['config']['num_prompts']} prompts × {result['config']['rounds']} round(s), "
            f"{result['config']['max_tokens']} max new tokens, greedy; each system runs every prompt in turn "
            "(interleaved), tokens counted from token ids.", ""]
-    rows = [[s["system"], s["description"], _fmt(s["tokens_per_s"], 1), str(s["tokens"]),
-             _fmt(s["seconds"], 1)] for s in result["systems"]]
-    out.append(_table(["system", "what", "tokens/s", "tokens", "seconds"], rows))
+    rows = [[s["system"], s["description"], fmt(s["tokens_per_s"], 1), str(s["tokens"]),
+             fmt(s["seconds"], 1)] for s in result["systems"]]
+    out.append(table(["system", "what", "tokens/s", "tokens", "seconds"], rows))
     out.append("")
     if result.get("ratios"):
         out += ["Ratios (ours / theirs):", ""]
-        out += [f"- {k}: {_fmt(v)}×" for k, v in result["ratios"].items()]
+        out += [f"- {k}: {fmt(v)}×" for k, v in result["ratios"].items()]
         out.append("")
     for note in result.get("notes", []):
         out.append(f"Note: {note}")
@@ -250,10 +230,10 @@ def oracle_markdown(result: dict[str, Any]) -> str:
     rows = []
     for rep in result["replays"]:
         ps = rep["planners"]
-        rows.append([str(rep["concurrency"])] + [_fmt(ps[p]["ratio_to_oracle"], 3) for p in planners]
-                    + [_fmt(ps["oracle"]["throughput"], 1)]
-                    + [_fmt(ps[p]["mean_verify_len"]) for p in planners + ["oracle"]])
-    out.append(_table(header, rows))
+        rows.append([str(rep["concurrency"])] + [fmt(ps[p]["ratio_to_oracle"], 3) for p in planners]
+                    + [fmt(ps["oracle"]["throughput"], 1)]
+                    + [fmt(ps[p]["mean_verify_len"]) for p in planners + ["oracle"]])
+    out.append(table(header, rows))
     out.append("")
     return "\n".join(out)
 
@@ -268,14 +248,14 @@ def acceptance_summary(result: dict[str, Any]) -> list[str]:
     rows, gains = [], {lb: [] for lb in labels[1:]}
     for ps in sets:
         tau = {e["label"]: e["mean_acceptance_length"] for e in result["results"][ps]}
-        row = [ps] + [_fmt(tau.get(lb)) for lb in labels]
+        row = [ps] + [fmt(tau.get(lb)) for lb in labels]
         for lb in labels[1:]:
             g = tau[labels[0]] / tau[lb] - 1 if tau.get(lb) else math.nan
             gains[lb].append(g)
             row.append(f"{g:+.1%}" if math.isfinite(g) else "–")
         rows.append(row)
     mean = ["mean"] + ["" for _ in labels] + [f"{sum(v) / len(v):+.1%}" for v in gains.values()]
-    return [_table(header, rows + [mean]), ""]
+    return [table(header, rows + [mean]), ""]
 
 
 def acceptance_markdown(result: dict[str, Any]) -> str:
@@ -289,10 +269,10 @@ def acceptance_markdown(result: dict[str, Any]) -> str:
         gamma = max(e["gamma"] for e in entries)
         out += [f"### {ps}", ""]
         header = ["drafter", "γ", "τ", "rounds"] + [f"p{k}" for k in range(1, gamma + 1)]
-        rows = [[e["label"], str(e["gamma"]), _fmt(e["mean_acceptance_length"]), str(e["rounds"])]
-                + [_fmt(x) for x in e["per_position_conditional_acceptance"]]
+        rows = [[e["label"], str(e["gamma"]), fmt(e["mean_acceptance_length"]), str(e["rounds"])]
+                + [fmt(x) for x in e["per_position_conditional_acceptance"]]
                 + ["" for _ in range(gamma - e["gamma"])] for e in entries]
-        out += [_table(header, rows), ""]
+        out += [table(header, rows), ""]
     out.append("p_k = P(draft k accepted | drafts 1..k−1 accepted), full-γ verification; τ = tokens "
                "per round, bonus included.")
     return "\n".join(out) + "\n"
@@ -306,9 +286,9 @@ def threshold_markdown(result: dict[str, Any]) -> str:
            "per step (accepted + 1).", ""]
     for ps, rows in result["domains"].items():
         out += [f"### {ps}", ""]
-        out += [_table(["threshold", "acceptance rate", "tokens / step", "mean ℓ"],
-                       [[_fmt(r["threshold"]), _fmt(r["acceptance_rate"], 3), _fmt(r["tokens_per_step"], 3),
-                         _fmt(r["mean_verify_len"])] for r in rows]), ""]
+        out += [table(["threshold", "acceptance rate", "tokens / step", "mean ℓ"],
+                       [[fmt(r["threshold"]), fmt(r["acceptance_rate"], 3), fmt(r["tokens_per_step"], 3),
+                         fmt(r["mean_verify_len"])] for r in rows]), ""]
     return "\n".join(out)
 
 
@@ -317,10 +297,10 @@ def ece_markdown(result: dict[str, Any]) -> str:
     out = ["## ECE per position before / after STS", "",
            f"Calibration file `{result['calibration']}` ({result.get('num_samples')} rounds of "
            f"{result.get('dataset')}).", ""]
-    out.append(_table(["position"] + [str(k + 1) for k in range(len(before))],
-                      [["ECE before (%)"] + [_fmt(x, 2, 100) for x in before],
-                       ["ECE after (%)"] + [_fmt(x, 2, 100) for x in after],
-                       ["temperature"] + [_fmt(x, 3) for x in result["temperatures"]]]))
+    out.append(table(["position"] + [str(k + 1) for k in range(len(before))],
+                      [["ECE before (%)"] + [fmt(x, 2, 100) for x in before],
+                       ["ECE after (%)"] + [fmt(x, 2, 100) for x in after],
+                       ["temperature"] + [fmt(x, 3) for x in result["temperatures"]]]))
     out.append("")
     return "\n".join(out)
 
@@ -330,10 +310,10 @@ def concurrency_markdown(result: dict[str, Any]) -> str:
            f"Command: `{result['config'].get('command', '')}` (from `{result.get('source')}`)", ""]
     rows = sorted(result["series"], key=lambda r: (r["prompt_set"], r["concurrency"], _mode_key(r["mode"])))
     header = ["prompt set", "mode", "conc.", "output tok/s", "budget / step", "verified / req / step", "τ"]
-    out.append(_table(header, [[r["prompt_set"], r["mode"], str(r["concurrency"]),
-                                _fmt(r["output_tokens_per_s"], 1), _fmt(r["mean_verify_budget_per_step"], 1),
-                                _fmt(r["mean_verified_drafts_per_request_step"]),
-                                _fmt(r["mean_acceptance_length"])] for r in rows]))
+    out.append(table(header, [[r["prompt_set"], r["mode"], str(r["concurrency"]),
+                                fmt(r["output_tokens_per_s"], 1), fmt(r["mean_verify_budget_per_step"], 1),
+                                fmt(r["mean_verified_drafts_per_request_step"]),
+                                fmt(r["mean_acceptance_length"])] for r in rows]))
     return "\n".join(out) + "\n"
 
 
@@ -346,12 +326,16 @@ def paper_index_markdown(result: dict[str, Any]) -> str:
 
 RENDERERS = {"serving": serving_markdown, "peers": peers_markdown, "oracle": oracle_markdown,
              "acceptance": acceptance_markdown, "threshold_sweep": threshold_markdown, "ece": ece_markdown,
-             "concurrency": concurrency_markdown, "paper_index": paper_index_markdown}
+             "concurrency": concurrency_markdown, "paper_index": paper_index_markdown,
+             "decode_throughput": decode_throughput_markdown, "generate_modes": generate_modes_markdown,
+             "draft_timing": draft_timing_markdown, "sps": sps_markdown}
 
 
 def kind_of(result: dict[str, Any]) -> str:
     if "kind" in result:
         return result["kind"]
+    if "sample_batch_tokens" in result:
+        return "sps"
     if "runs" in result and "config" in result:
         return "serving"
     raise ValueError("not a dspark bench result (no 'kind' and no 'runs')")
