@@ -10,4 +10,5 @@ for f in decode/results.json generate_modes/results.json "$ROOT/profiles/target_
   [[ "$f" = /* ]] || f="$OUT/$f"
   if [[ -f "$f" ]]; then files+=(--results "$f"); fi
 done
-exec "$DSPARK" bench --suite report "${files[@]}" --title "Benchmarks" --out "${DOC:-$ROOT/docs/benchmarks.md}"
+exec "$DSPARK" bench --suite report "${files[@]}" --title "Benchmarks" \
+  --preface "$ROOT/benchmarks/preface.md" --out "${DOC:-$ROOT/docs/benchmarks.md}"

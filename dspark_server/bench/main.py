@@ -82,6 +82,7 @@ def add_bench_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--results", action="append", default=None,
                    help="concurrency / report: result JSON file(s) of earlier runs")
     g.add_argument("--title", default="Benchmarks", help="report: page title")
+    g.add_argument("--preface", default=None, help="report: markdown prose placed under the title")
 
 
 def _prompt_files(a: argparse.Namespace) -> list[str]:
@@ -177,7 +178,7 @@ def _dispatch(a: argparse.Namespace) -> None:
         files = [f for item in (a.results or []) for f in split_list(item)]
         if not files:
             raise BenchError("--suite report needs --results FILE.json (repeatable)")
-        out = write_report(files, a.out or "runs/bench/benchmarks.md", title=a.title)
+        out = write_report(files, a.out or "runs/bench/benchmarks.md", title=a.title, preface=a.preface)
         print(f"wrote {out}", file=sys.stderr)
 
 
