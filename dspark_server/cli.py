@@ -67,6 +67,12 @@ def _sglang_config(a: argparse.Namespace, spec_mode: str | None = None) -> SGLan
     from dspark_server.assets import default_draft, default_target
     from dspark_server.backends.sglang_args import SGLangConfig, parse_extra_server_args
 
+    native_only = [flag for flag, on in (("--no-draft-gate", a.no_draft_gate),
+                                         ("--sps-only-cost", a.sps_only_cost),
+                                         ("--greedy-calibration", a.greedy_calibration)) if on]
+    if native_only:
+        raise SystemExit(f"error: {', '.join(native_only)} only apply to the native engine: SGLang plans "
+                         "with its own SPS cost model and one STS file (docs/sglang.md)")
     model = a.model or default_target()
     draft = a.draft if a.draft else (default_draft() if a.model is None else None)
     mode = spec_mode or a.spec_mode or ("dspark" if draft else "off")

@@ -883,3 +883,13 @@ def _no_sglang_in_sys_modules() -> Iterator[None]:
 def test_loading_sglang_source_leaves_no_trace(sg_root: Path) -> None:
     with _no_sglang_in_sys_modules():
         _import_sglang(sg_root, "sglang.srt.speculative.dspark_components.dspark_sts")
+
+
+@pytest.mark.parametrize("flag", [["--no-draft-gate"], ["--sps-only-cost"],
+                                  ["--greedy-calibration", "g.json"]])
+def test_native_only_flags_are_refused_with_the_sglang_backend(flag: list[str]) -> None:
+    from dspark_server.cli import _sglang_config, build_parser
+
+    args = build_parser().parse_args(["serve", "--backend", "sglang", *flag])
+    with pytest.raises(SystemExit, match="only apply to the native engine"):
+        _sglang_config(args)
