@@ -67,9 +67,10 @@ def _sglang_config(a: argparse.Namespace, spec_mode: str | None = None) -> SGLan
     from dspark_server.assets import default_draft, default_target
     from dspark_server.backends.sglang_args import SGLangConfig, parse_extra_server_args
 
-    native_only = [flag for flag, on in (("--no-draft-gate", getattr(a, "no_draft_gate", False)),
-                                         ("--sps-only-cost", getattr(a, "sps_only_cost", False)),
-                                         ("--greedy-calibration", getattr(a, "greedy_calibration", None))) if on]
+    flags = (("--no-draft-gate", getattr(a, "no_draft_gate", False)),
+             ("--sps-only-cost", getattr(a, "sps_only_cost", False)),
+             ("--greedy-calibration", getattr(a, "greedy_calibration", None)))
+    native_only = [flag for flag, on in flags if on]
     if native_only:
         raise SystemExit(f"error: {', '.join(native_only)} only apply to the native engine: SGLang plans "
                          "with its own SPS cost model and one STS file (docs/sglang.md)")
