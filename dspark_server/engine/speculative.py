@@ -176,12 +176,18 @@ class SpeculativeDecoder:
             new_tokens = drafts.tokens[i, :acc].tolist() + [outcome.next_tokens[i]]
             emitted += engine.commit(req, new_tokens, spec_round=(gamma, lens[i], acc) if drafting else None)
         self._sample_prefills(engine, prefills, logits, logit_starts[len(decodes):])
-        if decodes and not prefills:  # prefill work would blur the rates
-            step_s = time.perf_counter() - t_start
+        if decodes:
+            # Under steady traffic almost every step also carries a prefill chunk: leave out its
+            # share of the forward (by token count) rather than the whole step, so the estimates
+            # keep learning instead of freezing on the rare prefill-free steps.
+            prefill_tokens = sum(c.num_tokens for c in prefills)
+            prefill_s = result.seconds * prefill_tokens / max(1, result.batch.num_tokens)
+            step_s = time.perf_counter() - t_start - prefill_s
             if self.gate is not None:
                 self.gate.record(len(decodes), drafting, emitted, step_s)
             if self.overhead is not None:
-                self.overhead.record(len(decodes), step_s, result.seconds, draft_s if drafting else 0.0)
+                self.overhead.record(len(decodes), step_s, result.seconds - prefill_s,
+                                     draft_s if drafting else 0.0)
 
     def calibrate(self, confidence_logits: torch.Tensor, greedy_rows: torch.Tensor) -> torch.Tensor:
         """Raw confidence logits [R, γ] -> calibrated confidences, greedy rows by their own STS."""
