@@ -3,11 +3,13 @@ rarely the more an exploring step costs."""
 
 from __future__ import annotations
 
+import pytest
+
 from dspark_server.engine.draft_gate import DraftGate
 
 
 def test_gate_measures_both_then_follows_the_faster_and_explores() -> None:
-    gate = DraftGate(explore_every=4, smoothing=1.0, max_explore_overhead=0.5)
+    gate = DraftGate(explore_every=4, smoothing=1.0, max_explore_overhead=0.5, min_samples=1)
     assert gate.choose(8) is True  # nothing known: draft
     gate.record(8, True, tokens=80, seconds=1.0)
     assert gate.choose(8) is False  # plain rate unknown: measure it
@@ -26,7 +28,7 @@ def test_gate_measures_both_then_follows_the_faster_and_explores() -> None:
 def test_costly_exploration_is_rare() -> None:
     # a draft step takes 6x a plain step and emits 1.2x its tokens: each exploring step loses
     # 6 * (1 - 0.2) = 4.8 plain-step times, so a 2% budget allows one every 240 steps
-    gate = DraftGate(explore_every=4, smoothing=1.0, max_explore_overhead=0.02)
+    gate = DraftGate(explore_every=4, smoothing=1.0, max_explore_overhead=0.02, min_samples=1)
     gate.choose(64)
     gate.record(64, True, tokens=77, seconds=0.060)
     gate.choose(64)
@@ -44,3 +46,18 @@ def test_gate_ignores_unusable_timings() -> None:
     gate.record(4, True, tokens=10, seconds=float("nan"))
     assert gate.rates() == {}
     assert gate.choose(4) is True
+
+
+def test_warm_up_measures_both_choices_before_one_slow_step_can_decide() -> None:
+    gate = DraftGate(min_samples=3)
+    draft_steps = iter([(1, 0.030), (5, 0.015), (5, 0.015)])  # a cold first draft step, then normal
+    picks = []
+    for _ in range(6):
+        drafted = gate.choose(1)
+        picks.append(drafted)
+        tokens, seconds = next(draft_steps) if drafted else (1, 0.007)
+        gate.record(1, drafted, tokens, seconds)
+    assert picks == [True, False, True, False, True, False]  # alternating until 3 of each
+    draft_rate, plain_rate = gate.rates()[DraftGate.bucket_of(1)]
+    assert draft_rate == pytest.approx(11 / 0.060) and plain_rate == pytest.approx(1 / 0.007)  # plain means
+    assert gate.choose(1) is True

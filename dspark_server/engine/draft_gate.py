@@ -7,7 +7,8 @@ concurrency bucket (powers of two), exponential moving averages of the tokens a 
 its time, for steps that drafted and for plain steps, and takes the choice with more tokens per
 second.
 
-It keeps both estimates current by now and then spending a step on the slower choice, at most
+Each bucket first measures both choices alike (``min_samples`` steps each, plain means), then
+keeps both estimates current by now and then spending a step on the slower choice, at most
 ``max_explore_overhead`` of the bucket's time: when a draft step costs five plain steps the gate
 explores it far more rarely than when the two are close (never more often than every
 ``explore_every`` steps).
@@ -29,17 +30,22 @@ class _Estimate:
 
     tokens: float = math.nan
     seconds: float = math.nan
+    count: int = 0
 
     @property
     def rate(self) -> float:
         return self.tokens / self.seconds
 
     def update(self, tokens: float, seconds: float, smoothing: float) -> None:
+        self.count += 1
+        # a plain mean until there are 1/smoothing samples, then the moving average: one slow
+        # first step (cold caches) must not stand for the choice for long
+        w = max(smoothing, 1.0 / self.count)
         if math.isnan(self.seconds):
             self.tokens, self.seconds = tokens, seconds
         else:
-            self.tokens = (1 - smoothing) * self.tokens + smoothing * tokens
-            self.seconds = (1 - smoothing) * self.seconds + smoothing * seconds
+            self.tokens = (1 - w) * self.tokens + w * tokens
+            self.seconds = (1 - w) * self.seconds + w * seconds
 
 
 @dataclass
@@ -50,14 +56,15 @@ class _Bucket:
 
 
 class DraftGate:
-    def __init__(self, explore_every: int = 16, smoothing: float = 0.1,
-                 max_explore_overhead: float = 0.02) -> None:
+    def __init__(self, explore_every: int = 16, smoothing: float = 0.05,
+                 max_explore_overhead: float = 0.02, min_samples: int = 8) -> None:
         if explore_every < 2 or not 0.0 < smoothing <= 1.0 or not 0.0 < max_explore_overhead < 1.0:
             raise ValueError("explore_every must be >= 2, smoothing in (0, 1], "
                              "max_explore_overhead in (0, 1)")
         self.explore_every = explore_every
         self.smoothing = smoothing
         self.max_explore_overhead = max_explore_overhead
+        self.min_samples = max(1, min_samples)
         self._buckets: dict[int, _Bucket] = {}
 
     @staticmethod
@@ -80,10 +87,8 @@ class DraftGate:
     def choose(self, num_requests: int) -> bool:
         """True: draft this step."""
         b = self._bucket(num_requests)
-        if math.isnan(b.draft.rate):
-            return True
-        if math.isnan(b.plain.rate):
-            return False
+        if min(b.draft.count, b.plain.count) < self.min_samples:
+            return b.draft.count <= b.plain.count  # warm-up: measure both alike before choosing
         draft_best = b.draft.rate >= b.plain.rate
         best, other = (b.draft, b.plain) if draft_best else (b.plain, b.draft)
         b.since_explore += 1
