@@ -2,7 +2,8 @@
 # docs/benchmarks.md from the result JSON files above (tables are generated, never typed).
 source "$(dirname "$0")/common.sh"
 files=()
-for f in decode/results.json generate_modes/results.json "$ROOT/profiles/target__amd-epyc__2t.json" \
+for f in decode/results.json generate_modes/results.json generate_modes_c64/results.json \
+         "$ROOT/profiles/target__amd-epyc__2t.json" \
          paper/acceptance_t0/acceptance.json paper/acceptance_t1/acceptance.json \
          draft_timing/draft_timing.json paper/ece/ece.json \
          serving/results.json paper/concurrency/concurrency.json oracle/oracle.json peers/peers.json \
