@@ -260,7 +260,9 @@ def acceptance_summary(result: dict[str, Any]) -> list[str]:
 
 def acceptance_markdown(result: dict[str, Any]) -> str:
     cfg = result["config"]
-    out = [f"## {result.get('title', 'Per-position acceptance')}", "", machine_line(result["machine"]), "",
+    heading = (f"{result.get('title', 'Per-position acceptance')}: {' vs '.join(cfg.get('labels', []))}, "
+               f"temperature {cfg.get('temperature', 0.0)}")
+    out = [f"## {heading}", "", machine_line(result["machine"]), "",
            f"Command: `{cfg.get('command', '')}`", "",
            f"Temperature {cfg.get('temperature', 0.0)}, first {cfg.get('limit')} prompts per file, "
            f"{cfg.get('max_tokens')} new tokens, every round verifies all γ drafts.", ""]
