@@ -7,7 +7,6 @@ from __future__ import annotations
 import importlib
 import importlib.metadata
 import importlib.util
-import json
 import logging
 import os
 from collections.abc import Callable
@@ -78,16 +77,10 @@ def sglang_engine(**kwargs: Any) -> Any:
 
 
 def eos_token_ids(model_dir: str | Path, model_cfg: ModelConfig, tokenizer: Tokenizer) -> tuple[int, ...]:
-    """The ids that end a generation unless ``ignore_eos``: config.json, generation_config.json
-    and the tokenizer's eos_token (the native engine's rule)."""
-    ids = set(model_cfg.eos_token_ids)
-    gen_cfg = Path(model_dir) / "generation_config.json"
-    if gen_cfg.is_file():
-        eos = json.loads(gen_cfg.read_text()).get("eos_token_id")
-        ids.update(eos if isinstance(eos, list) else [eos] if eos is not None else [])
-    if tokenizer.eos_token and (tid := tokenizer.token_id(tokenizer.eos_token)) is not None:
-        ids.add(tid)
-    return tuple(sorted(int(i) for i in ids))
+    """The native engine's rule, so both backends stop on the same ids."""
+    from dspark_server.engine.engine import eos_token_ids as native_eos_token_ids
+
+    return native_eos_token_ids(str(model_dir), model_cfg.eos_token_ids, tokenizer)
 
 
 def check_draft_for_sglang(cfg: SGLangConfig) -> int:

@@ -43,7 +43,7 @@ class LLMEngine:
             torch.set_num_threads(cfg.num_threads)
         self.runner = runner if runner is not None else ModelRunner(cfg)
         self.tokenizer = tokenizer if tokenizer is not None else Tokenizer(cfg.model_dir)
-        self.eos_token_ids = _eos_ids(cfg.model_dir, self.runner.target.config.eos_token_ids,
+        self.eos_token_ids = eos_token_ids(cfg.model_dir, self.runner.target.config.eos_token_ids,
                                       self.tokenizer)
         self.max_model_len = min(cfg.max_model_len, self.runner.target.config.max_position_embeddings)
         self.spec = None
@@ -188,7 +188,9 @@ class LLMEngine:
         self.stats.kv_free_pages = self.runner.allocator.free_pages
 
 
-def _eos_ids(model_dir: str, from_config: tuple[int, ...], tokenizer: Tokenizer) -> tuple[int, ...]:
+def eos_token_ids(model_dir: str, from_config: tuple[int, ...], tokenizer: Tokenizer) -> tuple[int, ...]:
+    """The ids that end a generation unless ``ignore_eos``: config.json's, generation_config.json's
+    and the tokenizer's eos_token."""
     ids = set(from_config)
     gen_cfg = Path(model_dir) / "generation_config.json"
     if gen_cfg.is_file():
@@ -196,4 +198,4 @@ def _eos_ids(model_dir: str, from_config: tuple[int, ...], tokenizer: Tokenizer)
         ids.update(eos if isinstance(eos, list) else [eos] if eos is not None else [])
     if tokenizer.eos_token and (tid := tokenizer.token_id(tokenizer.eos_token)) is not None:
         ids.add(tid)
-    return tuple(sorted(ids))
+    return tuple(sorted(int(i) for i in ids))
