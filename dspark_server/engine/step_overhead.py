@@ -3,12 +3,14 @@
 A step = draft pass + plan + verification forward + rejection sampling and commit. The SPS table
 prices only the forward; the draft pass is measured in the step itself (it is over before the plan
 is made), and the rest — sampling, commit, bookkeeping, which grow with the number of requests — is
-a moving average per load bucket (powers of two) of earlier steps.
+a moving average per load bucket (the draft gate's powers of two) of earlier steps.
 """
 
 from __future__ import annotations
 
 import math
+
+from dspark_server.engine.draft_gate import DraftGate
 
 
 class StepOverhead:
@@ -18,22 +20,18 @@ class StepOverhead:
         self.smoothing = smoothing
         self._post: dict[int, float] = {}
 
-    @staticmethod
-    def bucket_of(num_requests: int) -> int:
-        return max(1, num_requests).bit_length()
-
     def record(self, num_requests: int, step_s: float, forward_s: float, draft_s: float) -> None:
         """One finished decode-only step: its wall time and the parts priced elsewhere."""
         post = step_s - forward_s - draft_s
         if not math.isfinite(post) or post < 0:
             return
-        key = self.bucket_of(num_requests)
+        key = DraftGate.bucket_of(num_requests)
         old = self._post.get(key)
         self._post[key] = post if old is None else (1 - self.smoothing) * old + self.smoothing * post
 
     def post_seconds(self, num_requests: int) -> float:
         """Expected seconds after the forward (0 until a step at this load was measured)."""
-        return self._post.get(self.bucket_of(num_requests), 0.0)
+        return self._post.get(DraftGate.bucket_of(num_requests), 0.0)
 
     def overhead(self, num_requests: int, draft_s: float) -> float:
         return draft_s + self.post_seconds(num_requests)
