@@ -10,7 +10,7 @@ import platform
 import shlex
 import subprocess
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -151,3 +151,32 @@ def pyplot():
     import matplotlib.pyplot as plt
 
     return plt
+
+
+def save_figure(fig: Any, path: Path) -> Path:
+    """Tight layout, 120 dpi PNG, figure closed."""
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    pyplot().close(fig)
+    return path
+
+
+def concurrency_axis(ax: Any, legend_size: int = 8) -> None:
+    """The x axis every load plot shares: concurrent requests on a log2 scale; grid and legend."""
+    ax.set_xscale("log", base=2)
+    ax.set_xlabel("concurrent requests")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=legend_size)
+
+
+def write_result(result: dict[str, Any], out_dir: Path, name: str,
+                 plot: Callable[[dict[str, Any], Path], None] | None, no_plots: bool) -> None:
+    """A suite's outputs: NAME.json, NAME.md (the report's rendering, also printed), NAME.png."""
+    from dspark_server.bench.report import render
+
+    write_json(out_dir / f"{name}.json", result)
+    md = render(result)
+    (out_dir / f"{name}.md").write_text(md)
+    if plot is not None and not no_plots:
+        plot(result, out_dir / f"{name}.png")
+    print(md)

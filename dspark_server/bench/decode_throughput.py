@@ -20,7 +20,7 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-from dspark_server.bench.common import machine_info
+from dspark_server.bench.common import machine_info, save_figure
 from dspark_server.config import EngineConfig
 from dspark_server.engine.engine import LLMEngine
 from dspark_server.engine.request import SamplingParams
@@ -105,9 +105,7 @@ def _plot(result: dict, path: Path) -> None:
     ax.set_ylabel("decode tokens/s")
     ax.set_title(f"Plain decoding, {result['model_parameters'] / 1e6:.1f}M params")
     ax.grid(alpha=0.3)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    save_figure(fig, path)
 
 
 if __name__ == "__main__":

@@ -38,11 +38,14 @@ import torch
 from dspark_server.bench.common import (
     BenchError,
     command_line,
+    concurrency_axis,
     load_prompt_sets,
     machine_info,
     pyplot,
+    save_figure,
     split_ints,
     write_json,
+    write_result,
 )
 from dspark_server.planner import (
     PlannerConfig,
@@ -60,18 +63,16 @@ class RoundLog:
     """Round observer: per request, the calibrated confidences and accepted count of each
     full-γ round (rounds shortened by ``max_tokens`` say nothing about later positions)."""
 
-    def __init__(self, gamma: int, calibration: Any) -> None:
+    def __init__(self, gamma: int) -> None:
         self.gamma = gamma
-        self.calibration = calibration
         self.prompt_set = ""
         self.requests: dict[tuple[str, str], dict[str, Any]] = {}
 
     def __call__(self, record: Any) -> None:
-        if record.confidence_logits is None:
+        if record.confidence_logits is None or record.confidences is None:
             raise BenchError("this drafter has no confidence head: nothing to plan from")
         raw = record.confidence_logits.float()
-        # the calibrated confidences the engine planned with (greedy rows by the greedy STS)
-        conf = record.confidences if record.confidences is not None else self.calibration.apply(raw)
+        conf = record.confidences  # as the engine planned with them (greedy rows by the greedy STS)
         for i, (req, ell, acc) in enumerate(zip(record.requests, record.verify_lens, record.accepted,
                                                 strict=True)):
             if ell != self.gamma:
@@ -100,7 +101,7 @@ def record_rounds(a: argparse.Namespace, prompt_files: Sequence[str], concurrenc
     cfg = replace(base, spec=replace(base.spec, mode="fixed"), max_running=max(concurrency, 1))
     engine = LLMEngine(cfg)
     assert engine.spec is not None
-    logger = RoundLog(engine.spec.gamma, engine.spec.calibration)
+    logger = RoundLog(engine.spec.gamma)
     engine.spec.round_observers.append(logger)
     sets = load_prompt_sets(prompt_files, a.limit)
     for ps in sets:
@@ -116,6 +117,7 @@ def record_rounds(a: argparse.Namespace, prompt_files: Sequence[str], concurrenc
     recording = {
         "kind": "rounds", "gamma": engine.spec.gamma, "model": base.model_dir, "draft": base.draft_dir,
         "calibration_temperatures": [float(t) for t in engine.spec.calibration.temperatures],
+        "greedy_calibration_temperatures": [float(t) for t in engine.spec.greedy_calibration.temperatures],
         "prompt_sets": {ps.name: ps.path for ps in sets}, "max_tokens": a.max_tokens,
         "temperature": a.temperature, "requests": requests,
     }
@@ -274,13 +276,7 @@ def run_oracle_command(a: argparse.Namespace, prompt_files: list[str], out: str)
         "planners": list(replays[0]["planners"]),
         "replays": replays,
     }
-    write_json(out_dir / "oracle.json", result)
-    from dspark_server.bench.report import oracle_markdown
-
-    (out_dir / "oracle.md").write_text(oracle_markdown(result))
-    if not a.no_plots:
-        _plot(result, out_dir / "oracle.png")
-    print(oracle_markdown(result))
+    write_result(result, out_dir, "oracle", _plot, a.no_plots)
     return result
 
 
@@ -299,10 +295,5 @@ def _plot(result: dict[str, Any], path: Path) -> None:
     axes[0].set_ylabel("Θ / Θ(oracle)")
     axes[1].set_ylabel("mean verified drafts per request per step")
     for ax in axes:
-        ax.set_xscale("log", base=2)
-        ax.set_xlabel("concurrent requests")
-        ax.grid(alpha=0.3)
-        ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+        concurrency_axis(ax, 8)
+    save_figure(fig, path)

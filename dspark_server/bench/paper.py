@@ -31,11 +31,14 @@ from typing import Any
 from dspark_server.bench.common import (
     BenchError,
     command_line,
+    concurrency_axis,
     load_prompt_sets,
     machine_info,
     pyplot,
+    save_figure,
     split_list,
     write_json,
+    write_result,
 )
 
 DEFAULT_THRESHOLDS = [round(0.05 * i, 2) for i in range(20)] + [0.97, 0.99]
@@ -92,7 +95,7 @@ def run_acceptance_command(a: argparse.Namespace, prompt_files: list[str], out: 
                          "labels": labels, "prompt_sets": {ps.name: ps.path for ps in sets},
                          "limit": a.limit, "max_tokens": a.max_tokens, "temperature": a.temperature},
               "results": results}
-    _finish(result, Path(out), "acceptance", _plot_acceptance, a)
+    write_result(result, Path(out), "acceptance", _plot_acceptance, a.no_plots)
     return result
 
 
@@ -114,9 +117,7 @@ def _plot_acceptance(result: dict[str, Any], path: Path) -> None:
         ax.set_title(ps)
         ax.grid(alpha=0.3)
         ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    save_figure(fig, path)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -150,7 +151,7 @@ def run_threshold_command(a: argparse.Namespace, prompt_files: list[str], out: s
     thresholds = [float(x) for x in split_list(a.thresholds)] or DEFAULT_THRESHOLDS
     sets = load_prompt_sets(prompt_files, a.limit)
     engine = _engine(a, None, "fixed", a.record_concurrency)
-    logger = RoundLog(engine.spec.gamma, engine.spec.calibration)
+    logger = RoundLog(engine.spec.gamma)
     engine.spec.round_observers[:] = [logger]
     domains = {}
     for ps in sets:
@@ -165,7 +166,7 @@ def run_threshold_command(a: argparse.Namespace, prompt_files: list[str], out: s
                          "gamma": engine.spec.gamma, "prompt_sets": {ps.name: ps.path for ps in sets},
                          "limit": a.limit, "max_tokens": a.max_tokens, "thresholds": thresholds},
               "domains": domains}
-    _finish(result, Path(out), "threshold_sweep", _plot_thresholds, a)
+    write_result(result, Path(out), "threshold_sweep", _plot_thresholds, a.no_plots)
     return result
 
 
@@ -182,9 +183,7 @@ def _plot_thresholds(result: dict[str, Any], path: Path) -> None:
         ax.set_xlabel("threshold on calibrated prefix survival")
         ax.grid(alpha=0.3)
         ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    save_figure(fig, path)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -231,7 +230,7 @@ def run_ece_command(a: argparse.Namespace, out: str) -> dict[str, Any]:
               "temperatures": raw["temperatures"], "ece_before": raw["ece_before"],
               "ece_after": raw["ece_after"],
               "max_ece_after": max(raw["ece_after"]), "goal_max_ece_after": 0.02}
-    _finish(result, Path(out), "ece", _plot_ece, a)
+    write_result(result, Path(out), "ece", _plot_ece, a.no_plots)
     return result
 
 
@@ -248,9 +247,7 @@ def _plot_ece(result: dict[str, Any], path: Path) -> None:
     ax.set_ylabel("ECE of prefix survival (%)")
     ax.grid(alpha=0.3, axis="y")
     ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    save_figure(fig, path)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -310,28 +307,12 @@ def _plot_concurrency(serving: dict[str, Any], path: Path) -> None:
     axes[0].set_ylabel("output tokens/s")
     axes[1].set_ylabel("verification budget per step (Σℓ)")
     for ax in axes:
-        ax.set_xscale("log", base=2)
-        ax.set_xlabel("concurrent requests")
-        ax.grid(alpha=0.3)
-        ax.legend(fontsize=7)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+        concurrency_axis(ax, 7)
+    save_figure(fig, path)
 
 
 # ---------------------------------------------------------------------------------------------
 # Everything
-
-
-def _finish(result: dict[str, Any], out_dir: Path, name: str, plot: Any, a: argparse.Namespace) -> None:
-    from dspark_server.bench.report import render
-
-    write_json(out_dir / f"{name}.json", result)
-    md = render(result)
-    (out_dir / f"{name}.md").write_text(md)
-    if not a.no_plots:
-        plot(result, out_dir / f"{name}.png")
-    print(md)
 
 
 def run_paper_suite(a: argparse.Namespace, out: str) -> dict[str, Any]:

@@ -36,8 +36,9 @@ from dspark_server.bench.common import (
     load_prompt_sets,
     machine_info,
     pyplot,
+    save_figure,
     split_list,
-    write_json,
+    write_result,
 )
 
 
@@ -192,18 +193,12 @@ def run_peers_command(a: argparse.Namespace, prompt_files: list[str], out: str) 
                    "ignore_eos": a.ignore_eos, "assistant_layers": a.assistant_layers},
         "systems": rows, "ratios": ratios, "output_agreement_with_hf_generate": agreement, "notes": notes,
     }
-    out_dir = Path(out)
-    write_json(out_dir / "peers.json", result)
-    from dspark_server.bench.report import peers_markdown
-
-    (out_dir / "peers.md").write_text(peers_markdown(result))
-    if not a.no_plots:
-        _plot(rows, out_dir / "peers.png")
-    print(peers_markdown(result))
+    write_result(result, Path(out), "peers", _plot, a.no_plots)
     return result
 
 
-def _plot(rows: list[dict[str, Any]], path: Path) -> None:
+def _plot(result: dict[str, Any], path: Path) -> None:
+    rows = result["systems"]
     plt = pyplot()
     fig, ax = plt.subplots(figsize=(1.5 + 1.2 * len(rows), 3.6))
     colors = ["tab:gray" if r["system"].startswith("hf") else "tab:red" for r in rows]
@@ -214,6 +209,4 @@ def _plot(rows: list[dict[str, Any]], path: Path) -> None:
     ax.set_ylabel("tokens/s (concurrency 1)")
     ax.tick_params(axis="x", labelrotation=20, labelsize=8)
     ax.grid(alpha=0.3, axis="y")
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    save_figure(fig, path)

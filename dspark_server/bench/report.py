@@ -14,7 +14,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from dspark_server.bench.common import pyplot
+from dspark_server.bench.common import concurrency_axis, pyplot, save_figure
 from dspark_server.bench.report_common import fmt, machine_line, table
 from dspark_server.bench.report_engine import (
     decode_throughput_markdown,
@@ -115,16 +115,10 @@ def plot_serving(result: dict[str, Any], out_dir: Path) -> list[Path]:
         for mode in modes:
             xs, ys = series(ps, mode, "output_tokens_per_s")
             ax.plot(xs, ys, marker="o", label=mode, color=MODE_COLORS.get(mode))
-        ax.set_xscale("log", base=2)
-        ax.set_xlabel("concurrent requests")
+        concurrency_axis(ax, 8)
         ax.set_ylabel("output tokens/s")
         ax.set_title(ps)
-        ax.grid(alpha=0.3)
-        ax.legend(fontsize=8)
-    fig.tight_layout()
-    paths.append(out_dir / "tps_vs_concurrency.png")
-    fig.savefig(paths[-1], dpi=120)
-    plt.close(fig)
+    paths.append(save_figure(fig, out_dir / "tps_vs_concurrency.png"))
 
     # Verification: per request and per step.
     fig, axes = plt.subplots(1, 2, figsize=(10.5, 3.8))
@@ -140,15 +134,9 @@ def plot_serving(result: dict[str, Any], out_dir: Path) -> list[Path]:
                         color=MODE_COLORS.get(mode))
     for ax, ylabel in zip(axes, ("verified drafts per request per step", "verification budget per step (Σℓ)"),
                           strict=True):
-        ax.set_xscale("log", base=2)
-        ax.set_xlabel("concurrent requests")
+        concurrency_axis(ax, 7)
         ax.set_ylabel(ylabel)
-        ax.grid(alpha=0.3)
-        ax.legend(fontsize=7)
-    fig.tight_layout()
-    paths.append(out_dir / "verified_drafts_vs_concurrency.png")
-    fig.savefig(paths[-1], dpi=120)
-    plt.close(fig)
+    paths.append(save_figure(fig, out_dir / "verified_drafts_vs_concurrency.png"))
 
     # Latency.
     fig, axes = plt.subplots(1, 2, figsize=(10.5, 3.8))
@@ -160,16 +148,10 @@ def plot_serving(result: dict[str, Any], out_dir: Path) -> list[Path]:
                 ax.plot(xs, [y * 1e3 for y in ys], marker="o", linestyle=styles[j % len(styles)],
                         label=label, color=MODE_COLORS.get(mode))
     for ax, ylabel in zip(axes, ("TPOT p50 (ms)", "TTFT p50 (ms)"), strict=True):
-        ax.set_xscale("log", base=2)
+        concurrency_axis(ax, 7)
         ax.set_yscale("log")
-        ax.set_xlabel("concurrent requests")
         ax.set_ylabel(ylabel)
-        ax.grid(alpha=0.3)
-        ax.legend(fontsize=7)
-    fig.tight_layout()
-    paths.append(out_dir / "latency_vs_concurrency.png")
-    fig.savefig(paths[-1], dpi=120)
-    plt.close(fig)
+    paths.append(save_figure(fig, out_dir / "latency_vs_concurrency.png"))
 
     # τ per prompt set (at the lowest concurrency, where no planner is squeezed by load).
     if len(sets) > 1:
@@ -186,10 +168,7 @@ def plot_serving(result: dict[str, Any], out_dir: Path) -> list[Path]:
         ax.set_ylabel(f"τ (tokens per round), concurrency {c0}")
         ax.grid(alpha=0.3, axis="y")
         ax.legend(fontsize=8)
-        fig.tight_layout()
-        paths.append(out_dir / "tau_per_prompt_set.png")
-        fig.savefig(paths[-1], dpi=120)
-        plt.close(fig)
+        paths.append(save_figure(fig, out_dir / "tau_per_prompt_set.png"))
     return paths
 
 
