@@ -75,14 +75,15 @@ class SpeculativeDecoder:
         self.calibration = StsCalibration(temperatures=calibration.temperatures[:gamma])
         # Temperature-0 requests accept a draft when it equals the argmax, far more often than
         # rejection sampling at temperature 1 does: they get their own temperatures when fitted.
-        self.greedy_calibration = StsCalibration(
-            temperatures=(greedy_calibration or calibration).temperatures[:gamma])
+        self.greedy_calibration = (self.calibration if greedy_calibration is None
+                                   else StsCalibration(temperatures=greedy_calibration.temperatures[:gamma]))
         self.live_sps = live_sps
         self.drift = drift
         self.gamma = gamma
         self.gate = gate  # None: always draft (the fixed / threshold baselines)
         self.overhead = overhead  # None: price steps by SPS(B) alone, as the method doc does
         self._steps_since_refresh = 0
+        self._planned_from = planner.sps_table  # the table the planner's current one was made from
         if planner.sps_table is not None:
             planner.set_sps_table(self._planning_table(planner.sps_table))
         self.last_verify_lens: list[int] = []
@@ -208,7 +209,10 @@ class SpeculativeDecoder:
         if self.live_sps is None or self._steps_since_refresh < every:
             return
         self._steps_since_refresh = 0
-        self.planner.set_sps_table(self._planning_table(self.live_sps.current_table()))
+        current = self.live_sps.current_table()
+        if current is not self._planned_from:  # unchanged (e.g. refresh off): nothing to refit
+            self._planned_from = current
+            self.planner.set_sps_table(self._planning_table(current))
 
     def _write_context(self, alloc: PageAllocator, hidden: torch.Tensor,
                        rows: list[tuple[PageTable, int, int, int]]) -> None:
