@@ -122,3 +122,23 @@ def test_threshold_rows() -> None:
     assert rows[0.0]["mean_verify_len"] == 4 and rows[0.0]["acceptance_rate"] == 0.25
     assert rows[0.4]["mean_verify_len"] == 2 and rows[0.4]["tokens_per_step"] == 2.0
     assert rows[0.95]["mean_verify_len"] == 0 and rows[0.95]["tokens_per_step"] == 1.0
+
+
+def test_report_renders_engine_level_results_and_an_sps_profile() -> None:
+    from dspark_server.bench.report import kind_of, render
+
+    machine = {"cpu": "CPU X", "cores": 2, "torch_threads": 1}
+    decode = {"kind": "decode_throughput", "machine": machine, "config": {"command": "c1", "prompt_len": 32,
+                                                                          "rounds": 3},
+              "model_parameters": 4.8e6, "new_tokens": 64,
+              "runs": [{"concurrency": 1, "tokens_per_s": 60.0, "ratio_vs_1": 1.0},
+                       {"concurrency": 8, "tokens_per_s": 300.0, "ratio_vs_1": 5.0}]}
+    assert "| 8 | 300.0 | 5.00 |" in render(decode) and "Command: `c1`" in render(decode)
+    timing = {"kind": "draft_timing", "machine": machine, "config": {"command": "c2", "context": 256},
+              "rows": [{"label": "draft", "head": "markov", "requests": 64, "backbone_ms": 40.0,
+                        "sequential_ms": 10.0, "confidence_ms": 0.2, "total_ms": 50.2,
+                        "sequential_share": 0.199, "verify_ms": 90.0, "round_share": 0.071}]}
+    assert "| draft | 64 | 40.00 | 10.00 | 0.20 | 50.20 | 19.9% | 90.00 | 7.1% |" in render(timing)
+    sps = SpsCostTable((1, 8, 64), (250.0, 125.0, 50.0), 64).to_dict()
+    assert kind_of(sps) == "sps"
+    assert "| ms / step | 4.00 | 8.00 | 20.00 |" in render(sps)

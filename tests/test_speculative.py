@@ -15,6 +15,7 @@ from dspark_server.engine.request import SamplingParams
 from dspark_server.engine.sampling import SamplingTensors, shape_probs
 from dspark_server.engine.speculative import Drafts
 from dspark_server.models.attention import DenseCausalAttention
+from dspark_server.planner import StsCalibration, save_sts_calibration
 from dspark_server.testing.tiny import build_tiny_drafter, build_tiny_model
 
 MODES = ("fixed", "threshold", "dspark")
@@ -237,3 +238,27 @@ def test_spec_statistics_add_up(pair: tuple[Path, Path]) -> None:
     assert spec.accepted_tokens <= spec.verified_tokens <= spec.draft_tokens
     assert 1 + spec.emitted_tokens == 50  # first token from prefill, the rest from rounds
     assert spec.emitted_tokens == spec.accepted_tokens + spec.rounds  # one target token per round
+
+
+def test_temperature_zero_rows_are_planned_with_the_greedy_calibration(pair: tuple[Path, Path],
+                                                                        tmp_path: Path) -> None:
+    target, draft = pair  # the tiny drafter has γ = 4 and no calibration files of its own
+    greedy_file = tmp_path / "greedy.json"
+    save_sts_calibration(StsCalibration(temperatures=(0.5, 0.5, 2.0, 2.0)), greedy_file)
+
+    def engine(greedy: str | None) -> LLMEngine:
+        spec = SpeculativeConfig(mode="fixed", greedy_calibration_path=greedy)
+        return LLMEngine(EngineConfig(model_dir=str(target), draft_dir=str(draft), spec=spec))
+
+    raw = torch.tensor([[1.0, -1.0, 2.0, 0.5]] * 2)
+    greedy_rows = torch.tensor([True, False])
+    with_file = engine(str(greedy_file)).spec
+    assert with_file is not None
+    conf = with_file.calibrate(raw, greedy_rows)
+    assert torch.allclose(conf[0], torch.sigmoid(raw[0] / torch.tensor([0.5, 0.5, 2.0, 2.0])))
+    assert torch.allclose(conf[1], torch.sigmoid(raw[1]))  # sampled rows: the (identity) sampled STS
+    without = engine(None).spec  # no greedy file: every row by the sampled STS
+    assert without is not None
+    assert torch.allclose(without.calibrate(raw, greedy_rows), torch.sigmoid(raw))
+    with pytest.raises(FileNotFoundError):
+        engine(str(tmp_path / "missing.json"))
