@@ -36,8 +36,9 @@ def load_prompts(path: str, limit: int | None = None) -> list[str]:
 
 
 def client(base_url: str) -> AsyncOpenAI:
-    return AsyncOpenAI(base_url=base_url.rstrip("/") + "/v1", api_key="gpu-check", max_retries=0,
-                       timeout=300.0)
+    return AsyncOpenAI(
+        base_url=base_url.rstrip("/") + "/v1", api_key="gpu-check", max_retries=0, timeout=300.0
+    )
 
 
 async def model_name(c: AsyncOpenAI) -> str:
@@ -46,13 +47,22 @@ async def model_name(c: AsyncOpenAI) -> str:
 
 async def chat(c: AsyncOpenAI, model: str, prompt: str, max_tokens: int) -> dict[str, Any]:
     t0 = time.perf_counter()
-    r = await c.chat.completions.create(model=model, messages=[{"role": "user", "content": prompt}],
-                                        temperature=0.0, max_tokens=max_tokens, seed=0)
+    r = await c.chat.completions.create(
+        model=model,
+        messages=[{"role": "user", "content": prompt}],
+        temperature=0.0,
+        max_tokens=max_tokens,
+        seed=0,
+    )
     usage = r.usage
     spec = (usage.model_extra or {}).get("spec") if usage is not None else None
-    return {"text": r.choices[0].message.content or "", "finish": r.choices[0].finish_reason,
-            "completion_tokens": usage.completion_tokens if usage else 0, "spec": spec,
-            "seconds": time.perf_counter() - t0}
+    return {
+        "text": r.choices[0].message.content or "",
+        "finish": r.choices[0].finish_reason,
+        "completion_tokens": usage.completion_tokens if usage else 0,
+        "spec": spec,
+        "seconds": time.perf_counter() - t0,
+    }
 
 
 def first_difference(a: str, b: str) -> int:
@@ -68,16 +78,24 @@ async def equality(spec: AsyncOpenAI, off: AsyncOpenAI, prompts: list[str], max_
     for i, p in enumerate(prompts):
         a, b = await asyncio.gather(chat(spec, ms, p, max_tokens), chat(off, mo, p, max_tokens))
         diff = first_difference(a["text"], b["text"])
-        rows.append({"prompt": i, "equal": diff < 0, "first_diff_char": diff,
-                     "spec_tokens": a["completion_tokens"], "off_tokens": b["completion_tokens"],
-                     "spec_usage": a["spec"],
-                     "spec_excerpt": a["text"][max(0, diff - 20): diff + 40] if diff >= 0 else "",
-                     "off_excerpt": b["text"][max(0, diff - 20): diff + 40] if diff >= 0 else ""})
+        rows.append(
+            {
+                "prompt": i,
+                "equal": diff < 0,
+                "first_diff_char": diff,
+                "spec_tokens": a["completion_tokens"],
+                "off_tokens": b["completion_tokens"],
+                "spec_usage": a["spec"],
+                "spec_excerpt": a["text"][max(0, diff - 20) : diff + 40] if diff >= 0 else "",
+                "off_excerpt": b["text"][max(0, diff - 20) : diff + 40] if diff >= 0 else "",
+            }
+        )
     return {"pairs": len(rows), "equal": sum(r["equal"] for r in rows), "rows": rows}
 
 
-async def bench_level(c: AsyncOpenAI, prompts: list[str], concurrency: int, requests: int,
-                      max_tokens: int) -> dict:
+async def bench_level(
+    c: AsyncOpenAI, prompts: list[str], concurrency: int, requests: int, max_tokens: int
+) -> dict:
     model = await model_name(c)
     sem = asyncio.Semaphore(concurrency)
     results: list[dict] = []
@@ -96,14 +114,22 @@ async def bench_level(c: AsyncOpenAI, prompts: list[str], concurrency: int, requ
     tokens = sum(r["completion_tokens"] for r in results)
     specs = [r["spec"] for r in results if r["spec"] and r["spec"].get("rounds")]
     rounds = sum(s["rounds"] for s in specs)
-    return {"concurrency": concurrency, "requests": requests, "ok": len(results), "errors": errors[:3],
-            "wall_s": round(wall, 3), "output_tokens": tokens,
-            "output_tok_per_s": round(tokens / wall, 1) if wall > 0 else 0.0,
-            "latency_p50_s": round(statistics.median(r["seconds"] for r in results), 3) if results else None,
-            "mean_accept_len": round(sum(s["mean_acceptance_length"] * s["rounds"] for s in specs)
-                                     / rounds, 3) if rounds else None,
-            "mean_verified_per_round": round(sum(s["verified_tokens"] for s in specs) / rounds, 3)
-            if rounds else None}
+    return {
+        "concurrency": concurrency,
+        "requests": requests,
+        "ok": len(results),
+        "errors": errors[:3],
+        "wall_s": round(wall, 3),
+        "output_tokens": tokens,
+        "output_tok_per_s": round(tokens / wall, 1) if wall > 0 else 0.0,
+        "latency_p50_s": round(statistics.median(r["seconds"] for r in results), 3) if results else None,
+        "mean_accept_len": round(sum(s["mean_acceptance_length"] * s["rounds"] for s in specs) / rounds, 3)
+        if rounds
+        else None,
+        "mean_verified_per_round": round(sum(s["verified_tokens"] for s in specs) / rounds, 3)
+        if rounds
+        else None,
+    }
 
 
 def spec_metrics(base_url: str) -> dict[str, float]:
@@ -140,16 +166,22 @@ def print_summary(result: dict) -> None:
     print(f"\n== greedy equality (speculative vs off): {eq['equal']}/{eq['pairs']} identical")
     for r in eq["rows"]:
         if not r["equal"]:
-            print(f"   prompt {r['prompt']}: first difference at char {r['first_diff_char']}\n"
-                  f"     spec: {r['spec_excerpt']!r}\n     off:  {r['off_excerpt']!r}")
+            print(
+                f"   prompt {r['prompt']}: first difference at char {r['first_diff_char']}\n"
+                f"     spec: {r['spec_excerpt']!r}\n     off:  {r['off_excerpt']!r}"
+            )
     print("\n== throughput (output tokens/s)")
-    print(f"   {'conc':>4} {'spec tok/s':>11} {'off tok/s':>10} {'speedup':>8} {'accept len':>10} "
-          f"{'verified/rnd':>12} {'p50 s':>7}")
+    print(
+        f"   {'conc':>4} {'spec tok/s':>11} {'off tok/s':>10} {'speedup':>8} {'accept len':>10} "
+        f"{'verified/rnd':>12} {'p50 s':>7}"
+    )
     for s, o in zip(result["bench"]["spec"], result["bench"]["off"], strict=True):
         speed = s["output_tok_per_s"] / o["output_tok_per_s"] if o["output_tok_per_s"] else float("nan")
-        print(f"   {s['concurrency']:>4} {s['output_tok_per_s']:>11} {o['output_tok_per_s']:>10} "
-              f"{speed:>8.2f} {s['mean_accept_len']!s:>10} {s['mean_verified_per_round']!s:>12} "
-              f"{s['latency_p50_s']!s:>7}")
+        print(
+            f"   {s['concurrency']:>4} {s['output_tok_per_s']:>11} {o['output_tok_per_s']:>10} "
+            f"{speed:>8.2f} {s['mean_accept_len']!s:>10} {s['mean_verified_per_round']!s:>12} "
+            f"{s['latency_p50_s']!s:>7}"
+        )
         for err in s["errors"] + o["errors"]:
             print(f"   error: {err}")
     print("\n== spec server /metrics")

@@ -55,8 +55,10 @@ class ModelConfig:
         elif model_type == "llama" or any(a.startswith("llama") for a in archs):
             arch = "llama"
         else:
-            raise ValueError(f"unsupported model (model_type={model_type!r}, architectures={archs}); "
-                             "only Qwen3 and Llama decoders are supported")
+            raise ValueError(
+                f"unsupported model (model_type={model_type!r}, architectures={archs}); "
+                "only Qwen3 and Llama decoders are supported"
+            )
         heads = int(raw["num_attention_heads"])
         hidden = int(raw["hidden_size"])
         # transformers >= 5 writes "rope_parameters"; older checkpoints "rope_theta" + "rope_scaling".

@@ -66,8 +66,7 @@ def generate(engine: LLMEngine, cfg: GenerateConfig) -> Iterator[dict]:
     parts: dict[int, list[RequestOutput]] = {}
     next_submit = next_emit = 0
     finished = 0
-    bar = tqdm(total=len(prompts), desc="generate", unit="req", disable=not cfg.progress,
-               file=sys.stderr)
+    bar = tqdm(total=len(prompts), desc="generate", unit="req", disable=not cfg.progress, file=sys.stderr)
 
     def sink_for(i: int):  # noqa: ANN202
         def sink(out: RequestOutput) -> None:
@@ -76,27 +75,45 @@ def generate(engine: LLMEngine, cfg: GenerateConfig) -> Iterator[dict]:
                 nonlocal finished
                 finished += 1
                 outs = parts.pop(i)
-                done[i] = _Result(i, [t for o in outs for t in o.new_token_ids],
-                                  "".join(o.new_text for o in outs), out.finish_reason,
-                                  out.spec.as_dict(), out.prompt_tokens, time.perf_counter() - started[i])
+                done[i] = _Result(
+                    i,
+                    [t for o in outs for t in o.new_token_ids],
+                    "".join(o.new_text for o in outs),
+                    out.finish_reason,
+                    out.spec.as_dict(),
+                    out.prompt_tokens,
+                    time.perf_counter() - started[i],
+                )
                 bar.update(1)
+
         return sink
 
     while next_emit < len(prompts):
         while next_submit < len(prompts) and next_submit - finished < cfg.concurrency:
             i = next_submit
             seed = None if cfg.seed is None else cfg.seed + i
-            params = SamplingParams(temperature=cfg.temperature, top_p=cfg.top_p, top_k=cfg.top_k,
-                                    seed=seed, max_tokens=cfg.max_tokens)
+            params = SamplingParams(
+                temperature=cfg.temperature,
+                top_p=cfg.top_p,
+                top_k=cfg.top_k,
+                seed=seed,
+                max_tokens=cfg.max_tokens,
+            )
             started[i] = time.perf_counter()
             engine.add_request(f"gen-{i}", tokenized[i], params, sink_for(i))
             next_submit += 1
         engine.step()
         while next_emit in done:
             r = done.pop(next_emit)
-            yield {"index": r.index, "token_ids": r.token_ids, "text": r.text,
-                   "finish_reason": r.finish_reason, "prompt_tokens": r.prompt_tokens,
-                   "seconds": round(r.seconds, 4), "spec": r.spec}
+            yield {
+                "index": r.index,
+                "token_ids": r.token_ids,
+                "text": r.text,
+                "finish_reason": r.finish_reason,
+                "prompt_tokens": r.prompt_tokens,
+                "seconds": round(r.seconds, 4),
+                "spec": r.spec,
+            }
             next_emit += 1
     bar.close()
 

@@ -28,9 +28,19 @@ AUTH = {"Authorization": f"Bearer {API_KEY}"}
 @pytest.fixture(scope="module")
 def server(tiny_model: Path) -> Iterator[LoggedServer]:
     # The key comes from the environment variable (the flag is covered by the same code path).
-    s = start(["--model", str(tiny_model), "--max-model-len", str(MAX_MODEL_LEN),
-               "--max-body-bytes", str(MAX_BODY), "--served-model-name", "tiny"],
-              env={"DSPARK_API_KEY": API_KEY})
+    s = start(
+        [
+            "--model",
+            str(tiny_model),
+            "--max-model-len",
+            str(MAX_MODEL_LEN),
+            "--max-body-bytes",
+            str(MAX_BODY),
+            "--served-model-name",
+            "tiny",
+        ],
+        env={"DSPARK_API_KEY": API_KEY},
+    )
     yield s
     s.stop()
 
@@ -79,9 +89,17 @@ def test_chat_and_completions_stream_and_not_with_usage(client: openai.OpenAI) -
     comp = client.completions.create(model="tiny", prompt="class Point:", max_tokens=8, temperature=0)
     assert comp.object == "text_completion" and comp.choices[0].finish_reason == "length"
     assert comp.usage.completion_tokens == 8
-    text, reasons, usage = _collect_stream(client.completions.create(
-        model="tiny", prompt="class Point:", max_tokens=8, temperature=0, stream=True,
-        stream_options={"include_usage": True}), chat=False)
+    text, reasons, usage = _collect_stream(
+        client.completions.create(
+            model="tiny",
+            prompt="class Point:",
+            max_tokens=8,
+            temperature=0,
+            stream=True,
+            stream_options={"include_usage": True},
+        ),
+        chat=False,
+    )
     assert text == comp.choices[0].text and reasons[-1] == "length" and usage.completion_tokens == 8
     # token-id prompts and a one-element batch are accepted
     ids = client.completions.create(model="tiny", prompt=[5, 6, 7], max_tokens=4, temperature=0)
@@ -103,28 +121,40 @@ def _stop_case(client: openai.OpenAI) -> tuple[str, str, str]:
     """A prompt, a two-character stop string whose first occurrence is inside the greedy output
     (not at its start), and the text before it."""
     for prompt in ("hello", "The quick brown fox", "class Point:", "def add", "Speculative"):
-        text = client.completions.create(model="tiny", prompt=prompt, max_tokens=24,
-                                         temperature=0).choices[0].text
+        text = (
+            client.completions.create(model="tiny", prompt=prompt, max_tokens=24, temperature=0)
+            .choices[0]
+            .text
+        )
         for k in range(2, len(text) - 2):
-            stop = text[k:k + 2]
-            if "\ufffd" not in text[:k + 2] and text.find(stop) == k:
+            stop = text[k : k + 2]
+            if "\ufffd" not in text[: k + 2] and text.find(stop) == k:
                 return prompt, stop, text[:k]
     raise AssertionError("no usable stop string in the tiny model's outputs")
 
 
 def test_stop_strings_cut_the_output_in_both_modes(client: openai.OpenAI) -> None:
     prompt, stop, expected = _stop_case(client)
-    r = client.completions.create(model="tiny", prompt=prompt, max_tokens=24, temperature=0,
-                                  stop=[stop, "never-appears"])
+    r = client.completions.create(
+        model="tiny", prompt=prompt, max_tokens=24, temperature=0, stop=[stop, "never-appears"]
+    )
     assert r.choices[0].text == expected and r.choices[0].finish_reason == "stop"
     assert r.usage.completion_tokens < 24
-    text, reasons, _ = _collect_stream(client.completions.create(
-        model="tiny", prompt=prompt, max_tokens=24, temperature=0, stop=stop, stream=True), chat=False)
+    text, reasons, _ = _collect_stream(
+        client.completions.create(
+            model="tiny", prompt=prompt, max_tokens=24, temperature=0, stop=stop, stream=True
+        ),
+        chat=False,
+    )
     assert text == expected and reasons[-1] == "stop"
 
 
-def _raw(server: LoggedServer, path: str, content: bytes | Any, headers: dict[str, str] | None = None,
-         ) -> httpx.Response:
+def _raw(
+    server: LoggedServer,
+    path: str,
+    content: bytes | Any,
+    headers: dict[str, str] | None = None,
+) -> httpx.Response:
     hdrs = {"content-type": "application/json", **AUTH, **(headers or {})}
     return httpx.post(f"{server.base_url}{path}", content=content, headers=hdrs, timeout=30)
 
@@ -142,24 +172,44 @@ CLIENT_ERRORS = [  # (id, call kwargs, exception, status, param, words the messa
     ("top_p=0", dict(messages=MSG, top_p=0), openai.BadRequestError, 400, "top_p", []),
     ("top_p>1", dict(messages=MSG, top_p=1.5), openai.BadRequestError, 400, "top_p", []),
     ("max_tokens=0", dict(messages=MSG, max_tokens=0), openai.BadRequestError, 400, "max_tokens", []),
-    ("over-context", dict(messages=MSG, max_tokens=1000), openai.BadRequestError, 400, "max_tokens",
-     [str(MAX_MODEL_LEN), "1000"]),
+    (
+        "over-context",
+        dict(messages=MSG, max_tokens=1000),
+        openai.BadRequestError,
+        400,
+        "max_tokens",
+        [str(MAX_MODEL_LEN), "1000"],
+    ),
     ("empty-messages", dict(messages=[]), openai.BadRequestError, 400, "messages", []),
-    ("unknown-role", dict(messages=[{"role": "wizard", "content": "x"}]), openai.BadRequestError, 400,
-     "messages.0.role", []),
+    (
+        "unknown-role",
+        dict(messages=[{"role": "wizard", "content": "x"}]),
+        openai.BadRequestError,
+        400,
+        "messages.0.role",
+        [],
+    ),
     ("n=2", dict(messages=MSG, n=2), openai.BadRequestError, 400, "n", ["n=2"]),
     ("wrong-type", dict(messages=MSG, max_tokens="5"), openai.BadRequestError, 400, "max_tokens", []),
     ("wrong-type-bool", dict(messages=MSG, stream="yes"), openai.BadRequestError, 400, "stream", []),
-    ("content-not-text", dict(messages=[{"role": "user", "content": 5}]), openai.BadRequestError, 400,
-     "messages.0.content", []),
+    (
+        "content-not-text",
+        dict(messages=[{"role": "user", "content": 5}]),
+        openai.BadRequestError,
+        400,
+        "messages.0.content",
+        [],
+    ),
     ("unknown-model", dict(messages=MSG, model="gpt-17"), openai.NotFoundError, 404, "model", ["gpt-17"]),
 ]
 
 
-@pytest.mark.parametrize("kwargs,exc,status,param,words", [c[1:] for c in CLIENT_ERRORS],
-                         ids=[c[0] for c in CLIENT_ERRORS])
-def test_client_errors_surface_as_openai_exceptions(client: openai.OpenAI, kwargs: dict, exc: type,
-                                                    status: int, param: str, words: list[str]) -> None:
+@pytest.mark.parametrize(
+    "kwargs,exc,status,param,words", [c[1:] for c in CLIENT_ERRORS], ids=[c[0] for c in CLIENT_ERRORS]
+)
+def test_client_errors_surface_as_openai_exceptions(
+    client: openai.OpenAI, kwargs: dict, exc: type, status: int, param: str, words: list[str]
+) -> None:
     kwargs = {"model": "tiny", **kwargs}
     with pytest.raises(exc) as info:
         client.chat.completions.create(**kwargs)
@@ -172,17 +222,33 @@ def test_client_errors_surface_as_openai_exceptions(client: openai.OpenAI, kwarg
 
 def test_extreme_but_valid_values_are_served(server: LoggedServer, client: openai.OpenAI) -> None:
     # tiny temperature / top_p once overflowed the sampler into NaN probabilities (a 500)
-    for extra in (dict(temperature=1e-30), dict(temperature=5e-324, top_p=5e-324),
-                  dict(temperature=1.0, top_p=1e-300, top_k=2**31 - 1),
-                  dict(temperature=2.0, seed=-(2**63)), dict(temperature=0.5, seed=2**63 - 1),
-                  dict(stop_token_ids=[0, 2**31 - 1], stop=["a", "b", "c", "d", "e"])):
-        r = _chat(client, max_tokens=3, **{k: v for k, v in extra.items() if k not in ("top_k",
-                                                                                       "stop_token_ids")},
-                  extra_body={k: v for k, v in extra.items() if k in ("top_k", "stop_token_ids")})
+    for extra in (
+        dict(temperature=1e-30),
+        dict(temperature=5e-324, top_p=5e-324),
+        dict(temperature=1.0, top_p=1e-300, top_k=2**31 - 1),
+        dict(temperature=2.0, seed=-(2**63)),
+        dict(temperature=0.5, seed=2**63 - 1),
+        dict(stop_token_ids=[0, 2**31 - 1], stop=["a", "b", "c", "d", "e"]),
+    ):
+        r = _chat(
+            client,
+            max_tokens=3,
+            **{k: v for k, v in extra.items() if k not in ("top_k", "stop_token_ids")},
+            extra_body={k: v for k, v in extra.items() if k in ("top_k", "stop_token_ids")},
+        )
         assert r.choices[0].finish_reason in ("stop", "length"), extra
     # a null for any optional field means "default", as with OpenAI
-    body = {"messages": MSG, "max_tokens": 2, "temperature": None, "top_p": None, "n": None,
-            "stream": None, "stop": None, "seed": None, "user": None}
+    body = {
+        "messages": MSG,
+        "max_tokens": 2,
+        "temperature": None,
+        "top_p": None,
+        "n": None,
+        "stream": None,
+        "stop": None,
+        "seed": None,
+        "user": None,
+    }
     r = _raw(server, "/v1/chat/completions", json.dumps(body).encode())
     assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 2
 
@@ -194,17 +260,22 @@ def test_prompt_over_context_names_both_numbers(client: openai.OpenAI) -> None:
     assert str(MAX_MODEL_LEN) in msg and "70" in msg and "60 in the prompt" in msg
 
 
-@pytest.mark.parametrize("body,param", [
-    (b"{not json", None),
-    (b'{"messages": [{"role": "user", "content": "x"}], "temperature": NaN}', "temperature"),
-    (b'{"messages": [{"role": "user", "content": "x"}], "top_p": Infinity}', "top_p"),
-    (b'[1, 2, 3]', None),
-    (b'{"messages": [{"role": "user", "content": "\\ud800"}]}', "messages"),
-    (b'\xff\xfe garbage', None),
-    (b"", None),
-], ids=["malformed", "nan", "inf", "not-object", "lone-surrogate", "not-utf8", "empty"])
-def test_bad_bodies_are_400_with_the_error_shape(server: LoggedServer, body: bytes,
-                                                 param: str | None) -> None:
+@pytest.mark.parametrize(
+    "body,param",
+    [
+        (b"{not json", None),
+        (b'{"messages": [{"role": "user", "content": "x"}], "temperature": NaN}', "temperature"),
+        (b'{"messages": [{"role": "user", "content": "x"}], "top_p": Infinity}', "top_p"),
+        (b"[1, 2, 3]", None),
+        (b'{"messages": [{"role": "user", "content": "\\ud800"}]}', "messages"),
+        (b"\xff\xfe garbage", None),
+        (b"", None),
+    ],
+    ids=["malformed", "nan", "inf", "not-object", "lone-surrogate", "not-utf8", "empty"],
+)
+def test_bad_bodies_are_400_with_the_error_shape(
+    server: LoggedServer, body: bytes, param: str | None
+) -> None:
     r = _raw(server, "/v1/chat/completions", body)
     assert r.status_code == 400, r.text
     err = _assert_error_body(r.json())
@@ -235,8 +306,9 @@ def test_auth_is_required_on_v1_only(server: LoggedServer) -> None:
     assert httpx.get(f"{server.base_url}/metrics").status_code == 200
 
 
-def test_body_over_the_limit_is_413_with_or_without_content_length(server: LoggedServer,
-                                                                  client: openai.OpenAI) -> None:
+def test_body_over_the_limit_is_413_with_or_without_content_length(
+    server: LoggedServer, client: openai.OpenAI
+) -> None:
     big = "x " * MAX_BODY
     with pytest.raises(openai.APIStatusError) as info:
         client.completions.create(model="tiny", prompt=big, max_tokens=1)
@@ -247,24 +319,33 @@ def test_body_over_the_limit_is_413_with_or_without_content_length(server: Logge
 
     def chunked() -> Iterator[bytes]:  # a generator body: sent chunked, no Content-Length
         for i in range(0, len(payload), 4096):
-            yield payload[i:i + 4096]
+            yield payload[i : i + 4096]
 
-    r = httpx.post(f"{server.base_url}/v1/completions", content=chunked(),
-                   headers={"content-type": "application/json", **AUTH}, timeout=30)
+    r = httpx.post(
+        f"{server.base_url}/v1/completions",
+        content=chunked(),
+        headers={"content-type": "application/json", **AUTH},
+        timeout=30,
+    )
     assert "content-length" not in r.request.headers and r.request.headers["transfer-encoding"] == "chunked"
     assert r.status_code == 413
     _assert_error_body(r.json())
     # just under the limit, chunked, is served
     ok = json.dumps({"model": "tiny", "prompt": "def add", "max_tokens": 2}).encode()
-    r = httpx.post(f"{server.base_url}/v1/completions", content=iter([ok[:5], ok[5:]]),
-                   headers={"content-type": "application/json", **AUTH}, timeout=30)
+    r = httpx.post(
+        f"{server.base_url}/v1/completions",
+        content=iter([ok[:5], ok[5:]]),
+        headers={"content-type": "application/json", **AUTH},
+        timeout=30,
+    )
     assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 2
 
 
 def test_openapi_declares_errors_and_not_422(server: LoggedServer) -> None:
     schema = httpx.get(f"{server.base_url}/openapi.json").json()
-    assert {"/v1/chat/completions", "/v1/completions", "/v1/models", "/health", "/ready",
-            "/metrics"} <= set(schema["paths"])
+    assert {"/v1/chat/completions", "/v1/completions", "/v1/models", "/health", "/ready", "/metrics"} <= set(
+        schema["paths"]
+    )
     for path in ("/v1/chat/completions", "/v1/completions"):
         responses = schema["paths"][path]["post"]["responses"]
         assert {"200", "400", "401", "404", "413", "429", "503"} == set(responses)
@@ -276,14 +357,33 @@ def test_openapi_declares_errors_and_not_422(server: LoggedServer) -> None:
     assert schema["components"]["securitySchemes"]["bearer"]["scheme"] == "bearer"
 
 
-def test_schemathesis_finds_no_server_error_and_no_schema_violation(server: LoggedServer,
-                                                                   tmp_path: Path) -> None:
+def test_schemathesis_finds_no_server_error_and_no_schema_violation(
+    server: LoggedServer, tmp_path: Path
+) -> None:
     st = shutil.which("st", path=str(Path(sys.executable).parent)) or shutil.which("st")
     assert st, "schemathesis is not installed (pip install -e .[test])"
-    cmd = [st, "run", f"{server.base_url}/openapi.json", "-H", f"Authorization: Bearer {API_KEY}",
-           "--checks", "all", "--exclude-checks", "positive_data_acceptance",
-           "--max-examples", "6", "--seed", "7", "--phases", "coverage,fuzzing", "--workers", "1",
-           "--no-shrink", "--request-timeout", "20"]
+    cmd = [
+        st,
+        "run",
+        f"{server.base_url}/openapi.json",
+        "-H",
+        f"Authorization: Bearer {API_KEY}",
+        "--checks",
+        "all",
+        "--exclude-checks",
+        "positive_data_acceptance",
+        "--max-examples",
+        "6",
+        "--seed",
+        "7",
+        "--phases",
+        "coverage,fuzzing",
+        "--workers",
+        "1",
+        "--no-shrink",
+        "--request-timeout",
+        "20",
+    ]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=tmp_path)
     out = proc.stdout + proc.stderr
     assert proc.returncode == 0, out[-6000:]
@@ -295,8 +395,12 @@ def test_schemathesis_finds_no_server_error_and_no_schema_violation(server: Logg
 
 async def _storm(base_url: str, n: int) -> int:
     """n streaming chat clients that hang up after their first chunk; returns how many got one."""
-    body = {"model": "tiny", "messages": [{"role": "user", "content": "def add"}], "max_tokens": 40,
-            "stream": True}
+    body = {
+        "model": "tiny",
+        "messages": [{"role": "user", "content": "def add"}],
+        "max_tokens": 40,
+        "stream": True,
+    }
     got = 0
 
     async def one(c: httpx.AsyncClient) -> None:

@@ -23,8 +23,22 @@ LONG = 900  # tokens: a request that stays in flight for a few seconds
 
 @pytest.fixture(scope="module")
 def server(tiny_model: Path) -> Iterator[LoggedServer]:
-    s = start(["--model", str(tiny_model), "--max-model-len", "1024", "--num-pages", "160",
-               "--max-running", str(MAX_RUNNING), "--max-queued", str(MAX_QUEUED), "--drain-timeout", "60"])
+    s = start(
+        [
+            "--model",
+            str(tiny_model),
+            "--max-model-len",
+            "1024",
+            "--num-pages",
+            "160",
+            "--max-running",
+            str(MAX_RUNNING),
+            "--max-queued",
+            str(MAX_QUEUED),
+            "--drain-timeout",
+            "60",
+        ]
+    )
     yield s
     s.stop()
 
@@ -46,8 +60,13 @@ class StreamingClient(threading.Thread):
         self.start()
 
     def run(self) -> None:
-        body = {"prompt": "def add", "max_tokens": self.max_tokens, "temperature": 0, "stream": True,
-                "stream_options": {"include_usage": True}}
+        body = {
+            "prompt": "def add",
+            "max_tokens": self.max_tokens,
+            "temperature": 0,
+            "stream": True,
+            "stream_options": {"include_usage": True},
+        }
         try:
             with httpx.stream("POST", f"{self.base_url}/v1/completions", json=body, timeout=120) as r:
                 self.status = r.status_code
@@ -101,8 +120,10 @@ def test_overload_is_refused_fast_and_every_accepted_request_completes(server: L
     # capacity is given back: a new request is accepted and completes
     r = c.completions.create(model=model, prompt="x", max_tokens=5)
     assert r.usage.completion_tokens == 5
-    assert value(wait_idle(server.base_url), "dspark_requests_total", endpoint="/v1/completions",
-                 status="429") >= 8
+    assert (
+        value(wait_idle(server.base_url), "dspark_requests_total", endpoint="/v1/completions", status="429")
+        >= 8
+    )
 
 
 def test_non_streaming_disconnect_aborts_and_frees_kv(server: LoggedServer) -> None:
@@ -111,8 +132,10 @@ def test_non_streaming_disconnect_aborts_and_frees_kv(server: LoggedServer) -> N
     generated0 = value(before, "dspark_generation_tokens_total")
     body = json.dumps({"prompt": "def add", "max_tokens": LONG}).encode()
     with socket.create_connection(("127.0.0.1", server.port)) as sock:  # a client that hangs up
-        sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
-                     b"Content-Length: %d\r\n\r\n%s" % (len(body), body))
+        sock.sendall(
+            b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+            b"Content-Length: %d\r\n\r\n%s" % (len(body), body)
+        )
         wait_for(lambda: _admitted(server.base_url) == 1, 10, "the request to be admitted")
     took = wait_for(lambda: _admitted(server.base_url) == 0, 10, "the abandoned request to be aborted")
     after = wait_idle(server.base_url)

@@ -26,8 +26,9 @@ class LoggedServer:
         self.log_path = Path(tempfile.mkstemp(prefix="dspark-serve-", suffix=".log")[1])
         self._log = self.log_path.open("w")
         cmd = [sys.executable, "-m", "dspark_server.cli", "serve", "--port", str(self.port), *args]
-        self.proc = subprocess.Popen(cmd, stdout=self._log, stderr=subprocess.STDOUT,
-                                     env={**os.environ, **(env or {})})
+        self.proc = subprocess.Popen(
+            cmd, stdout=self._log, stderr=subprocess.STDOUT, env={**os.environ, **(env or {})}
+        )
 
     def log(self) -> str:
         self._log.flush()
@@ -104,9 +105,11 @@ def wait_idle(base_url: str, timeout: float = 15.0) -> Samples:
     def idle() -> bool:
         nonlocal last
         last = scrape(base_url)
-        return (value(last, "dspark_num_requests_admitted") == 0
-                and value(last, "dspark_num_requests_running") == 0
-                and value(last, "dspark_num_requests_waiting") == 0)
+        return (
+            value(last, "dspark_num_requests_admitted") == 0
+            and value(last, "dspark_num_requests_running") == 0
+            and value(last, "dspark_num_requests_waiting") == 0
+        )
 
     wait_for(idle, timeout, "the engine to become idle")
     return last

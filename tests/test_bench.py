@@ -26,20 +26,46 @@ def pair(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[str
     sps = root / "sps.json"  # a fixed table: a dspark server would otherwise profile at start-up
     save_sps_table(SpsCostTable((1, 8, 32, 128), (500.0, 450.0, 300.0, 120.0), 512), sps)
     prompts = root / "prompts.jsonl"
-    prompts.write_text("".join(json.dumps({"turns": [t]}) + "\n" for t in
-                               ("def add(a, b):", "The quick brown fox", "class Point:")))
+    prompts.write_text(
+        "".join(
+            json.dumps({"turns": [t]}) + "\n"
+            for t in ("def add(a, b):", "The quick brown fox", "class Point:")
+        )
+    )
     return {"model": tiny_model, "draft": draft, "sps": sps, "prompts": prompts}
 
 
 def test_self_hosted_sweep_writes_results(pair: dict[str, Path], tmp_path: Path) -> None:
     out = tmp_path / "out"
-    rc = bench_main(["--self-host", "--model", str(pair["model"]), "--draft", str(pair["draft"]),
-                     "--profile", str(pair["sps"]), "--modes", "off,dspark", "--concurrency", "1,2",
-                     "--prompts", str(pair["prompts"]), "--limit", "2", "--max-tokens", str(MAX_TOKENS),
-                     "--threads", "1", "--quiet", "--out", str(out),
-                     # the random tiny drafter rarely pays off, so the measured-rate draft gate would
-                     # switch drafting off and leave nothing speculative to count
-                     "--server-arg=--no-draft-gate"])
+    rc = bench_main(
+        [
+            "--self-host",
+            "--model",
+            str(pair["model"]),
+            "--draft",
+            str(pair["draft"]),
+            "--profile",
+            str(pair["sps"]),
+            "--modes",
+            "off,dspark",
+            "--concurrency",
+            "1,2",
+            "--prompts",
+            str(pair["prompts"]),
+            "--limit",
+            "2",
+            "--max-tokens",
+            str(MAX_TOKENS),
+            "--threads",
+            "1",
+            "--quiet",
+            "--out",
+            str(out),
+            # the random tiny drafter rarely pays off, so the measured-rate draft gate would
+            # switch drafting off and leave nothing speculative to count
+            "--server-arg=--no-draft-gate",
+        ]
+    )
     assert rc == 0
     result = json.loads((out / "results.json").read_text())
     assert result["machine"]["cpu"] and result["machine"]["cores"] >= 1
@@ -64,7 +90,8 @@ def test_self_hosted_sweep_writes_results(pair: dict[str, Path], tmp_path: Path)
             assert 1.0 <= r["mean_acceptance_length"] <= 5.0
             assert 0.0 < r["mean_verified_drafts_per_request_step"] <= 4.0
             assert r["speedup_vs_off"] == pytest.approx(
-                r["output_tokens_per_s"] / runs[("off", r["concurrency"])]["output_tokens_per_s"])
+                r["output_tokens_per_s"] / runs[("off", r["concurrency"])]["output_tokens_per_s"]
+            )
     assert len(result["round_runs"]) == 4
     table = (out / "results.md").read_text()
     assert "| dspark | 2 |" in table and "output tok/s" in table
@@ -72,15 +99,32 @@ def test_self_hosted_sweep_writes_results(pair: dict[str, Path], tmp_path: Path)
         assert (out / f"{png}.png").stat().st_size > 1000
 
 
-def test_failing_request_fails_the_bench(pair: dict[str, Path], tmp_path: Path, start_server,
-                                         capsys: pytest.CaptureFixture[str]) -> None:
+def test_failing_request_fails_the_bench(
+    pair: dict[str, Path], tmp_path: Path, start_server, capsys: pytest.CaptureFixture[str]
+) -> None:
     server = start_server(["--model", str(pair["model"]), "--max-model-len", "64", "--threads", "1"])
     prompts = tmp_path / "mixed.jsonl"  # the second prompt does not fit the 64-token context
     prompts.write_text("".join(json.dumps({"turns": [t]}) + "\n" for t in ("short", "word " * 200)))
     out = tmp_path / "out"
-    rc = bench_main(["--url", server.base_url, "--concurrency", "1", "--prompts", str(prompts),
-                     "--num-requests", "2", "--max-tokens", "4", "--warmup", "0", "--quiet",
-                     "--out", str(out)])
+    rc = bench_main(
+        [
+            "--url",
+            server.base_url,
+            "--concurrency",
+            "1",
+            "--prompts",
+            str(prompts),
+            "--num-requests",
+            "2",
+            "--max-tokens",
+            "4",
+            "--warmup",
+            "0",
+            "--quiet",
+            "--out",
+            str(out),
+        ]
+    )
     assert rc == 1
     err = capsys.readouterr().err
     assert "1 of 2 requests failed" in err and "HTTP 400" in err
@@ -99,8 +143,12 @@ def test_oracle_replay_arithmetic() -> None:
     requests = []
     for _ in range(6):
         n = int(rng.integers(3, 8))
-        requests.append({"confidences": rng.uniform(0.2, 1.0, (n, 4)).tolist(),
-                         "accepted": rng.integers(0, 5, n).tolist()})
+        requests.append(
+            {
+                "confidences": rng.uniform(0.2, 1.0, (n, 4)).tolist(),
+                "accepted": rng.integers(0, 5, n).tolist(),
+            }
+        )
     for c in (1, 3):
         res = replay(requests, table, c, gamma=4)
         assert res["oracle"]["ratio_to_oracle"] == 1.0
@@ -128,16 +176,37 @@ def test_report_renders_engine_level_results_and_an_sps_profile() -> None:
     from dspark_server.bench.report import kind_of, render
 
     machine = {"cpu": "CPU X", "cores": 2, "torch_threads": 1}
-    decode = {"kind": "decode_throughput", "machine": machine, "config": {"command": "c1", "prompt_len": 32,
-                                                                          "rounds": 3},
-              "model_parameters": 4.8e6, "new_tokens": 64,
-              "runs": [{"concurrency": 1, "tokens_per_s": 60.0, "ratio_vs_1": 1.0},
-                       {"concurrency": 8, "tokens_per_s": 300.0, "ratio_vs_1": 5.0}]}
+    decode = {
+        "kind": "decode_throughput",
+        "machine": machine,
+        "config": {"command": "c1", "prompt_len": 32, "rounds": 3},
+        "model_parameters": 4.8e6,
+        "new_tokens": 64,
+        "runs": [
+            {"concurrency": 1, "tokens_per_s": 60.0, "ratio_vs_1": 1.0},
+            {"concurrency": 8, "tokens_per_s": 300.0, "ratio_vs_1": 5.0},
+        ],
+    }
     assert "| 8 | 300.0 | 5.00 |" in render(decode) and "Command: `c1`" in render(decode)
-    timing = {"kind": "draft_timing", "machine": machine, "config": {"command": "c2", "context": 256},
-              "rows": [{"label": "draft", "head": "markov", "requests": 64, "backbone_ms": 40.0,
-                        "sequential_ms": 10.0, "confidence_ms": 0.2, "total_ms": 50.2,
-                        "sequential_share": 0.199, "verify_ms": 90.0, "round_share": 0.071}]}
+    timing = {
+        "kind": "draft_timing",
+        "machine": machine,
+        "config": {"command": "c2", "context": 256},
+        "rows": [
+            {
+                "label": "draft",
+                "head": "markov",
+                "requests": 64,
+                "backbone_ms": 40.0,
+                "sequential_ms": 10.0,
+                "confidence_ms": 0.2,
+                "total_ms": 50.2,
+                "sequential_share": 0.199,
+                "verify_ms": 90.0,
+                "round_share": 0.071,
+            }
+        ],
+    }
     assert "| draft | 64 | 40.00 | 10.00 | 0.20 | 50.20 | 19.9% | 90.00 | 7.1% |" in render(timing)
     sps = SpsCostTable((1, 8, 64), (250.0, 125.0, 50.0), 64).to_dict()
     assert kind_of(sps) == "sps"

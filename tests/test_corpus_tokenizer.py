@@ -36,10 +36,15 @@ TEXTS = [
     "class Queue:\n    def __init__(self):\n        self.items = []\n",
 ] * 20
 
-CONVERSATION = [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello!"},
-                {"role": "user", "content": "Write code."}]
-EXPECTED = ("<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\nHello!<|im_end|>\n"
-            "<|im_start|>user\nWrite code.<|im_end|>\n<|im_start|>assistant\n")
+CONVERSATION = [
+    {"role": "user", "content": "Hi"},
+    {"role": "assistant", "content": "Hello!"},
+    {"role": "user", "content": "Write code."},
+]
+EXPECTED = (
+    "<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\nHello!<|im_end|>\n"
+    "<|im_start|>user\nWrite code.<|im_end|>\n<|im_start|>assistant\n"
+)
 
 
 @pytest.fixture(scope="module")
@@ -62,8 +67,13 @@ def test_chat_template_two_turns_with_generation_prompt(tok_dir):
 
 def test_tokenizer_roundtrips_utf8_and_special_tokens(tok_dir):
     tok = Tokenizer(tok_dir)
-    for text in ["héllo wörld", "emoji 😀🚀 and CJK 漢字かな한국어", "tabs\tand\nnewlines  \r\n",
-                 "\x00\x7f odd bytes \u200b\ufeff", "def f(x):\n    return x ** 2  # ✓"]:
+    for text in [
+        "héllo wörld",
+        "emoji 😀🚀 and CJK 漢字かな한국어",
+        "tabs\tand\nnewlines  \r\n",
+        "\x00\x7f odd bytes \u200b\ufeff",
+        "def f(x):\n    return x ** 2  # ✓",
+    ]:
         assert tok.decode(tok.encode(text)) == text
     ids = special_token_ids(train_tokenizer_from_texts(TEXTS, vocab_size=400))
     assert sorted(ids) == sorted(SPECIAL_TOKENS)
@@ -86,8 +96,9 @@ def test_transformers_autotokenizer_loads(tok_dir):
 
 
 def test_split_is_deterministic_and_disjoint():
-    docs = [Document("code" if i % 2 else "prose", f"f{i}.py", f"document number {i}\n" * 3)
-            for i in range(2000)]
+    docs = [
+        Document("code" if i % 2 else "prose", f"f{i}.py", f"document number {i}\n" * 3) for i in range(2000)
+    ]
     train1, held1 = split_documents(docs, 0.03)
     train2, held2 = split_documents(list(reversed(docs)), 0.03)
     assert {d.name for d in held1} == {d.name for d in held2}
@@ -114,9 +125,11 @@ def test_code_collection_skips_tests_and_dedupes(tmp_path):
 
 
 def test_samples_mask_prompt_and_train_answer():
-    src = ('def read_file(path):\n    """Return the text of a file."""\n'
-           '    with open(path) as f:\n        return f.read()\n\n\n'
-           'class Box:\n    """Hold one value."""\n\n    def __init__(self, v):\n        self.v = v\n')
+    src = (
+        'def read_file(path):\n    """Return the text of a file."""\n'
+        "    with open(path) as f:\n        return f.read()\n\n\n"
+        'class Box:\n    """Hold one value."""\n\n    def __init__(self, v):\n        self.v = v\n'
+    )
     samples = code_samples(Document("code", "pkg/io.py", src), random.Random(0))
     chats = [s for s in samples if s[0][0].startswith("<|im_start|>user\n")]
     assert chats
@@ -126,8 +139,10 @@ def test_samples_mask_prompt_and_train_answer():
         assert prompt.endswith("<|im_start|>assistant\n") and answer.endswith(IM_END)
         assert answer.startswith("```python\n")
     assert any("def read_file(path):" in s[1][0] for s in chats)
-    prose = clean_rest("Title\n=====\n\nSee :func:`open` and ``x``. The file is read in one go.\n"
-                       "More text follows here so that the section is long enough to be used.\n")
+    prose = clean_rest(
+        "Title\n=====\n\nSee :func:`open` and ``x``. The file is read in one go.\n"
+        "More text follows here so that the section is long enough to be used.\n"
+    )
     assert ":func:" not in prose and "``" not in prose
     psamples = prose_samples(Document("prose", "a.rst.txt", prose), random.Random(1))
     assert psamples and all(s[1][1] for s in psamples)

@@ -26,15 +26,25 @@ PROMPTS = [
 
 def _run(mode: str, concurrency: int, max_tokens: int) -> tuple[Collector, LLMEngine]:
     draft = default_draft()
-    engine = LLMEngine(EngineConfig(model_dir=default_target(), draft_dir=draft if mode != "off" else None,
-                                    dtype="float64", max_running=concurrency,
-                                    spec=SpeculativeConfig(mode=mode)))  # type: ignore[arg-type]
+    engine = LLMEngine(
+        EngineConfig(
+            model_dir=default_target(),
+            draft_dir=draft if mode != "off" else None,
+            dtype="float64",
+            max_running=concurrency,
+            spec=SpeculativeConfig(mode=mode),
+        )
+    )  # type: ignore[arg-type]
     col = Collector()
     for i in range(concurrency):
         text = PROMPTS[i % len(PROMPTS)] + f" #{i}"
         ids = engine.tokenizer.encode_chat([{"role": "user", "content": text}])
-        engine.add_request(str(i), ids, SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True),
-                           col.sink(str(i)))
+        engine.add_request(
+            str(i),
+            ids,
+            SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True),
+            col.sink(str(i)),
+        )
     run_all(engine)
     return col, engine
 

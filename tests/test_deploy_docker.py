@@ -151,8 +151,13 @@ def in_context(path: str) -> bool:
 
 
 def test_build_context() -> None:
-    files = subprocess.run(["git", "ls-files", "--cached", "--others", "--exclude-standard"], cwd=ROOT,
-                           capture_output=True, text=True, check=True).stdout.split()
+    files = subprocess.run(
+        ["git", "ls-files", "--cached", "--others", "--exclude-standard"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout.split()
     copied: list[str] = []
     for stage in STAGES.values():
         for arg in stage.all("COPY"):
@@ -168,8 +173,15 @@ def test_build_context() -> None:
     # the bundled demo pair ships in the image, through the package data
     assert in_context("dspark_server/assets/demo/target/config.json")
     assert "assets/demo/*" in (ROOT / "pyproject.toml").read_text()
-    for heavy in (".git/HEAD", ".venv/bin/python", "work_data/x", "runs/x", "tests/test_engine.py",
-                  "dspark_server/__pycache__/cli.cpython-311.pyc", "dspark_server.egg-info/PKG-INFO"):
+    for heavy in (
+        ".git/HEAD",
+        ".venv/bin/python",
+        "work_data/x",
+        "runs/x",
+        "tests/test_engine.py",
+        "dspark_server/__pycache__/cli.cpython-311.pyc",
+        "dspark_server.egg-info/PKG-INFO",
+    ):
         assert not in_context(heavy), heavy
 
 

@@ -44,8 +44,14 @@ Overlay = tuple[str, dict[tuple[str, str], Obj]]  # (name, objects by (kind, nam
 
 # Strategic-merge keys of the lists our patches touch (from the Kubernetes OpenAPI
 # x-kubernetes-patch-merge-key); every other list is replaced, as kustomize does.
-MERGE_KEYS = {"containers": "name", "initContainers": "name", "volumes": "name",
-              "volumeMounts": "mountPath", "env": "name", "imagePullSecrets": "name"}
+MERGE_KEYS = {
+    "containers": "name",
+    "initContainers": "name",
+    "volumes": "name",
+    "volumeMounts": "mountPath",
+    "env": "name",
+    "imagePullSecrets": "name",
+}
 
 
 def _merge_key(field: str, items: list[Any]) -> str | None:
@@ -147,8 +153,10 @@ def _validate(obj: Obj, where: str) -> None:
             kubernetes_validate.validate(obj, version, strict=True)
         except kubernetes_validate.ValidationError as e:
             path = ".".join(str(p) for p in e.path)
-            raise AssertionError(f"{where}: {obj['kind']}/{obj['metadata']['name']} invalid for "
-                                 f"Kubernetes {version}: {path}: {e.message}") from None
+            raise AssertionError(
+                f"{where}: {obj['kind']}/{obj['metadata']['name']} invalid for "
+                f"Kubernetes {version}: {path}: {e.message}"
+            ) from None
 
 
 def _check_crd(obj: Obj, where: str) -> None:
@@ -157,12 +165,26 @@ def _check_crd(obj: Obj, where: str) -> None:
     assert set(obj) == {"apiVersion", "kind", "metadata", "spec"}, where
     spec = obj["spec"]
     if obj["kind"] == "ServiceMonitor":
-        assert set(spec) <= {"selector", "endpoints", "namespaceSelector", "jobLabel", "targetLabels",
-                             "podTargetLabels"}, where
+        assert set(spec) <= {
+            "selector",
+            "endpoints",
+            "namespaceSelector",
+            "jobLabel",
+            "targetLabels",
+            "podTargetLabels",
+        }, where
         assert spec["selector"]["matchLabels"] and spec["endpoints"], where
         for ep in spec["endpoints"]:
-            assert set(ep) <= {"port", "path", "interval", "scrapeTimeout", "relabelings", "scheme",
-                               "honorLabels", "metricRelabelings"}, (where, ep)
+            assert set(ep) <= {
+                "port",
+                "path",
+                "interval",
+                "scrapeTimeout",
+                "relabelings",
+                "scheme",
+                "honorLabels",
+                "metricRelabelings",
+            }, (where, ep)
             for field in ("interval", "scrapeTimeout"):
                 assert re.fullmatch(r"\d+(ms|s|m|h)", ep[field]), (where, field)
             for r in ep.get("relabelings", []):
@@ -195,8 +217,16 @@ def test_base_manifests_validate() -> None:
         for obj in load_docs(BASE / name):
             _validate(obj, f"base/{name}")
             kinds.add(obj["kind"])
-    assert kinds == {"ConfigMap", "PersistentVolumeClaim", "Deployment", "Service", "PodDisruptionBudget",
-                     "HorizontalPodAutoscaler", "ServiceMonitor", "PrometheusRule"}
+    assert kinds == {
+        "ConfigMap",
+        "PersistentVolumeClaim",
+        "Deployment",
+        "Service",
+        "PodDisruptionBudget",
+        "HorizontalPodAutoscaler",
+        "ServiceMonitor",
+        "PrometheusRule",
+    }
 
 
 def test_overlay_output_validates(overlay: Overlay) -> None:
@@ -322,8 +352,11 @@ def test_hpa_scales_the_deployment_on_the_adapter_metric(overlay: Overlay) -> No
     hpa, dep = _one(objs, "HorizontalPodAutoscaler"), _one(objs, "Deployment")
     assert hpa["apiVersion"] == "autoscaling/v2"
     ref = hpa["spec"]["scaleTargetRef"]
-    assert (ref["apiVersion"], ref["kind"], ref["name"]) == (dep["apiVersion"], "Deployment",
-                                                             dep["metadata"]["name"])
+    assert (ref["apiVersion"], ref["kind"], ref["name"]) == (
+        dep["apiVersion"],
+        "Deployment",
+        dep["metadata"]["name"],
+    )
     assert 1 <= hpa["spec"]["minReplicas"] <= hpa["spec"]["maxReplicas"]
     (metric,) = hpa["spec"]["metrics"]
     assert metric["type"] == "Pods"
@@ -333,8 +366,10 @@ def test_hpa_scales_the_deployment_on_the_adapter_metric(overlay: Overlay) -> No
     (rule,) = yaml.safe_load(ADAPTER_VALUES.read_text())["rules"]["custom"]
     assert rule["name"]["as"] == name and re.fullmatch(rule["name"]["matches"], name)
     assert rule["seriesQuery"].startswith(name + "{")
-    assert rule["resources"]["overrides"] == {"namespace": {"resource": "namespace"},
-                                              "pod": {"resource": "pod"}}
+    assert rule["resources"]["overrides"] == {
+        "namespace": {"resource": "namespace"},
+        "pod": {"resource": "pod"},
+    }
     for token in ("<<.Series>>", "<<.LabelMatchers>>", "<<.GroupBy>>"):
         assert token in rule["metricsQuery"]
 
@@ -365,4 +400,7 @@ def test_flags_and_grace_period(overlay: Overlay) -> None:
     assert pre[0] == "sleep"
     grace = spec["terminationGracePeriodSeconds"]
     assert int(pre[1]) + ns.drain_timeout + 5 <= grace <= int(pre[1]) + ns.drain_timeout + 30, (
-        name, grace, ns.drain_timeout)
+        name,
+        grace,
+        ns.drain_timeout,
+    )

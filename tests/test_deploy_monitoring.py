@@ -69,8 +69,10 @@ REQUIRED_PANELS = {  # what the dashboard must show -> words its panel titles mu
 def _tool(name: str) -> str:
     path = shutil.which(name)
     if path is None:
-        pytest.fail(f"`{name}` not found: install Debian's prometheus package (apt-get install -y "
-                    "prometheus), as .ci/run does")
+        pytest.fail(
+            f"`{name}` not found: install Debian's prometheus package (apt-get install -y "
+            "prometheus), as .ci/run does"
+        )
     return path
 
 
@@ -113,7 +115,7 @@ def test_dashboard_structure() -> None:
             assert t["expr"].strip() and t["refId"], p["title"]
             assert t.get("datasource", p["datasource"]) == p["datasource"]
             # every query follows the dashboard's instance and model selection
-            assert '$instance' in t["expr"] and '$model' in t["expr"], (p["title"], t["expr"])
+            assert "$instance" in t["expr"] and "$model" in t["expr"], (p["title"], t["expr"])
         g = p["gridPos"]
         assert g["x"] + g["w"] <= 24 and g["h"] > 0
     titles = [p["title"].lower() for p in panels]
@@ -127,8 +129,11 @@ def test_dashboard_structure() -> None:
     assert sps["type"] == "xychart" and sps["options"]["dims"]["x"] == "batch_tokens"
     # the distribution of acceptance lengths comes from the histogram's buckets
     dist = [p for p in panels if "acceptance length distribution" in p["title"].lower()]
-    assert all("dspark_spec_accept_length_bucket" in t["expr"] and t["format"] == "heatmap"
-               for p in dist for t in p["targets"])
+    assert all(
+        "dspark_spec_accept_length_bucket" in t["expr"] and t["format"] == "heatmap"
+        for p in dist
+        for t in p["targets"]
+    )
 
 
 def test_metric_names_are_documented() -> None:
@@ -139,8 +144,9 @@ def test_metric_names_are_documented() -> None:
     assert len(families) > 40
     text = DASHBOARD.read_text() + RULES.read_text() + ADAPTER_VALUES.read_text()
     used = set(re.findall(r"(?<![:\w])(dspark_[a-z0-9_]+)", text))
-    unknown = {n for n in used
-               if n not in families and re.sub(r"_(bucket|sum|count)$", "", n) not in families}
+    unknown = {
+        n for n in used if n not in families and re.sub(r"_(bucket|sum|count)$", "", n) not in families
+    }
     assert not unknown, unknown
 
 
@@ -160,8 +166,13 @@ def _k8s_config_for_this_host(targets_file: Path) -> dict[str, Any]:
 def test_promtool_checks(tmp_path: Path) -> None:
     promtool = _tool("promtool")
     # the compose config (with its rule_files, resolved next to it)
-    out = subprocess.run([promtool, "check", "config", "prometheus.yml"], cwd=PROM_DIR,
-                         capture_output=True, text=True, timeout=60)
+    out = subprocess.run(
+        [promtool, "check", "config", "prometheus.yml"],
+        cwd=PROM_DIR,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert out.returncode == 0, out.stdout + out.stderr
     assert "SUCCESS" in out.stdout
     # the Kubernetes config
@@ -169,14 +180,19 @@ def test_promtool_checks(tmp_path: Path) -> None:
     cfg["rule_files"] = [str(PROM_DIR / p) for p in cfg["rule_files"]]
     (tmp_path / "targets.json").write_text("[]")
     (tmp_path / "k8s.yml").write_text(yaml.safe_dump(cfg))
-    out = subprocess.run([promtool, "check", "config", str(tmp_path / "k8s.yml")], capture_output=True,
-                         text=True, timeout=60)
+    out = subprocess.run(
+        [promtool, "check", "config", str(tmp_path / "k8s.yml")], capture_output=True, text=True, timeout=60
+    )
     assert out.returncode == 0, out.stdout + out.stderr
     # the rules, and the Prometheus Operator copy of them
     rule = yaml.safe_load((DEPLOY / "k8s" / "base" / "prometheusrule.yaml").read_text())
     (tmp_path / "operator.rules.yml").write_text(yaml.safe_dump({"groups": rule["spec"]["groups"]}))
-    out = subprocess.run([promtool, "check", "rules", str(RULES), str(tmp_path / "operator.rules.yml")],
-                         capture_output=True, text=True, timeout=60)
+    out = subprocess.run(
+        [promtool, "check", "rules", str(RULES), str(tmp_path / "operator.rules.yml")],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert out.returncode == 0, out.stdout + out.stderr
     n = sum(len(g["rules"]) for g in yaml.safe_load(RULES.read_text())["groups"])
     assert out.stdout.count(f"SUCCESS: {n} rules found") == 2
@@ -208,17 +224,26 @@ class Prometheus:
         targets = tmp / "k8s-targets.json"
         targets.write_text(json.dumps([{"targets": ["127.0.0.1:1"], "labels": _pod_meta(server_port)}]))
         k8s = _k8s_config_for_this_host(targets)
-        cfg = {"global": {"scrape_interval": "1s", "scrape_timeout": "1s", "evaluation_interval": "1s"},
-               "rule_files": [str(RULES)],
-               "scrape_configs": [job, *k8s["scrape_configs"]]}
+        cfg = {
+            "global": {"scrape_interval": "1s", "scrape_timeout": "1s", "evaluation_interval": "1s"},
+            "rule_files": [str(RULES)],
+            "scrape_configs": [job, *k8s["scrape_configs"]],
+        }
         (tmp / "prometheus.yml").write_text(yaml.safe_dump(cfg))
         self.log_path = tmp / "prometheus.log"
         self._log = self.log_path.open("w")
         self.client = httpx.Client(base_url=self.url, timeout=10)
         self.proc = subprocess.Popen(
-            [_tool("prometheus"), f"--config.file={tmp / 'prometheus.yml'}",
-             f"--storage.tsdb.path={tmp / 'data'}", f"--web.listen-address=127.0.0.1:{self.port}",
-             "--log.level=warn"], stdout=self._log, stderr=subprocess.STDOUT)
+            [
+                _tool("prometheus"),
+                f"--config.file={tmp / 'prometheus.yml'}",
+                f"--storage.tsdb.path={tmp / 'data'}",
+                f"--web.listen-address=127.0.0.1:{self.port}",
+                "--log.level=warn",
+            ],
+            stdout=self._log,
+            stderr=subprocess.STDOUT,
+        )
 
     def log(self) -> str:
         self._log.flush()
@@ -263,11 +288,34 @@ def loaded(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Prometheu
     target = build_tiny_model(root / "target", layers=2, with_eos=False, seed=5, vocab_size=24)
     draft = build_tiny_drafter(target, root / "draft", gamma=4, seed=6)
     profile = root / "sps.json"
-    profile.write_text(json.dumps({"sample_batch_tokens": [1, 8, 64, 512],
-                                   "sample_steps_per_sec": [50.0] * 4, "max_batch_tokens": 512}))
-    server = LoggedServer(["--model", str(target), "--draft", str(draft), "--spec-mode", "dspark",
-                           "--no-draft-gate", "--profile", str(profile), "--max-model-len", "256",
-                           "--max-running", "3", "--served-model-name", MODEL])
+    profile.write_text(
+        json.dumps(
+            {
+                "sample_batch_tokens": [1, 8, 64, 512],
+                "sample_steps_per_sec": [50.0] * 4,
+                "max_batch_tokens": 512,
+            }
+        )
+    )
+    server = LoggedServer(
+        [
+            "--model",
+            str(target),
+            "--draft",
+            str(draft),
+            "--spec-mode",
+            "dspark",
+            "--no-draft-gate",
+            "--profile",
+            str(profile),
+            "--max-model-len",
+            "256",
+            "--max-running",
+            "3",
+            "--served-model-name",
+            MODEL,
+        ]
+    )
     (root / "prom").mkdir()
     prom: Prometheus | None = None
     try:
@@ -294,8 +342,13 @@ def _load(server: LoggedServer) -> None:
     started = time.monotonic()
 
     def one(i: int) -> None:
-        client.completions.create(model=MODEL, prompt=[5 + i % 7, 6, 7, 8], max_tokens=24 + 6 * (i % 4),
-                                  temperature=0 if i % 2 else 0.8, seed=i)
+        client.completions.create(
+            model=MODEL,
+            prompt=[5 + i % 7, 6, 7, 8],
+            max_tokens=24 + 6 * (i % 4),
+            temperature=0 if i % 2 else 0.8,
+            seed=i,
+        )
 
     with ThreadPoolExecutor(max_workers=6) as pool:
         rounds = 0
@@ -368,9 +421,16 @@ def test_kubernetes_scrape_job_labels(loaded: tuple[Prometheus, LoggedServer]) -
     """The pod-annotation job finds the port and path and sets namespace, pod and model."""
     prom, server = loaded
     result = _wait_for_data(prom, 'up{job="dspark-server"}', 10)
-    assert [s["metric"] for s in result] == [{"__name__": "up", "job": "dspark-server",
-                                             "instance": f"127.0.0.1:{server.port}",
-                                             "namespace": NAMESPACE, "pod": POD, "model": MODEL}]
+    assert [s["metric"] for s in result] == [
+        {
+            "__name__": "up",
+            "job": "dspark-server",
+            "instance": f"127.0.0.1:{server.port}",
+            "namespace": NAMESPACE,
+            "pod": POD,
+            "model": MODEL,
+        }
+    ]
     assert result[0]["value"][1] == "1"
     up = prom.query('up{job="dspark"}')
     assert [s["value"][1] for s in up] == ["1"] and up[0]["metric"]["model"] == MODEL
@@ -382,10 +442,12 @@ def test_prometheus_adapter_rule_returns_data(loaded: tuple[Prometheus, LoggedSe
     series = _wait_for_data(prom, rule["seriesQuery"], 10)
     assert {(s["metric"]["namespace"], s["metric"]["pod"]) for s in series} == {(NAMESPACE, POD)}
     # what the adapter sends for `kubectl get --raw .../namespaces/default/pods/*/dspark_num_requests_waiting`
-    query = (rule["metricsQuery"]
-             .replace("<<.Series>>", rule["name"]["as"])
-             .replace("<<.LabelMatchers>>", f'namespace="{NAMESPACE}",pod=~"{POD}"')
-             .replace("<<.GroupBy>>", "pod"))
+    query = (
+        rule["metricsQuery"]
+        .replace("<<.Series>>", rule["name"]["as"])
+        .replace("<<.LabelMatchers>>", f'namespace="{NAMESPACE}",pod=~"{POD}"')
+        .replace("<<.GroupBy>>", "pod")
+    )
     result = _wait_for_data(prom, query, 10)
     assert [s["metric"] for s in result] == [{"pod": POD}]
     assert float(result[0]["value"][1]) >= 0

@@ -42,12 +42,26 @@ from dspark_server.training.losses import LossConfig, gather_rows, label_positio
 FUNCS = "\n\n".join(
     f'def func_{i}(a, b):\n    """Return the {w} of a and b, checked."""\n'
     f"    value = a {op} b\n    if value is None:\n        raise ValueError('no value')\n    return value\n"
-    for i, (w, op) in enumerate([("sum", "+"), ("difference", "-"), ("product", "*"), ("quotient", "/"),
-                                 ("remainder", "%"), ("power", "**"), ("floor quotient", "//"),
-                                 ("bitwise and", "&"), ("bitwise or", "|"), ("bitwise xor", "^")]))
-PROSE = "\n\n".join(f"Topic {i}\n========\n\nThe topic number {i} is about speculative decoding "
-                    f"and drafting tokens that a target verifies in one pass. It has {i} parts."
-                    for i in range(6))
+    for i, (w, op) in enumerate(
+        [
+            ("sum", "+"),
+            ("difference", "-"),
+            ("product", "*"),
+            ("quotient", "/"),
+            ("remainder", "%"),
+            ("power", "**"),
+            ("floor quotient", "//"),
+            ("bitwise and", "&"),
+            ("bitwise or", "|"),
+            ("bitwise xor", "^"),
+        ]
+    )
+)
+PROSE = "\n\n".join(
+    f"Topic {i}\n========\n\nThe topic number {i} is about speculative decoding "
+    f"and drafting tokens that a target verifies in one pass. It has {i} parts."
+    for i in range(6)
+)
 
 ARCH = DrafterArch(gamma=4, head="markov", layers=1, markov_rank=16)
 
@@ -61,10 +75,19 @@ def corpus(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.fixture(scope="module")
 def distilled(tiny_model_eos: Path, corpus: Path, tmp_path_factory: pytest.TempPathFactory) -> DistillConfig:
-    cfg = DistillConfig(target_dir=str(tiny_model_eos), corpus=str(corpus),
-                        out_dir=str(tmp_path_factory.mktemp("distill")), num_prompts=8, max_tokens=24,
-                        max_prompt_tokens=400, greedy_fraction=0.5, concurrency=5, seed=1, threads=1,
-                        progress=False)
+    cfg = DistillConfig(
+        target_dir=str(tiny_model_eos),
+        corpus=str(corpus),
+        out_dir=str(tmp_path_factory.mktemp("distill")),
+        num_prompts=8,
+        max_tokens=24,
+        max_prompt_tokens=400,
+        greedy_fraction=0.5,
+        concurrency=5,
+        seed=1,
+        threads=1,
+        progress=False,
+    )
     distill(cfg)
     return cfg
 
@@ -83,7 +106,8 @@ def test_user_turn_extracts_only_the_user_message() -> None:
 
 
 def test_distill_answers_are_the_engines_greedy_answers_with_answer_loss_mask(
-        distilled: DistillConfig) -> None:
+    distilled: DistillConfig,
+) -> None:
     cfg = distilled
     out = Path(cfg.out_dir)
     recs = sorted(read_records(out / "records.jsonl"), key=lambda r: r["index"])
@@ -106,8 +130,9 @@ def test_distill_answers_are_the_engines_greedy_answers_with_answer_loss_mask(
         if r["finish_reason"] == "stop":
             assert r["answer_ids"][-1] in engine.eos_token_ids  # the EOS is a supervised answer token
         if r["temperature"] == 0.0:
-            solo = _generate_alone(engine, r["prompt_ids"], SamplingParams(temperature=0.0,
-                                                                          max_tokens=cfg.max_tokens))
+            solo = _generate_alone(
+                engine, r["prompt_ids"], SamplingParams(temperature=0.0, max_tokens=cfg.max_tokens)
+            )
             assert r["answer_ids"] == solo
     manifest = json.loads((out / "manifest.json").read_text())
     assert manifest["sequences"] == 8 and manifest["answer_tokens"] == int(data.mask.sum())
@@ -125,7 +150,8 @@ def test_distill_resumes_without_regenerating(distilled: DistillConfig) -> None:
     assert m2["this_run"]["new_sequences"] == 0
     key = lambda r: r["index"]  # noqa: E731
     assert sorted(read_records(out / "records.jsonl"), key=key) == sorted(
-        [json.loads(x) for x in before.splitlines()], key=key)
+        [json.loads(x) for x in before.splitlines()], key=key
+    )
 
 
 def test_training_steps_reduce_the_loss_on_a_fixed_batch(distilled: DistillConfig) -> None:
@@ -159,8 +185,12 @@ def test_target_pass_rows_equal_the_full_dense_pass(distilled: DistillConfig) ->
     anchors, valid = sample_anchors(batch.loss_mask, 7, generator=anchor_generator(0, 1))
     feats, block = target_pass(target, drafter, batch.ids, anchors)
     b, s = batch.ids.shape
-    full = target(batch.ids.reshape(-1), torch.arange(s).repeat(b), DenseCausalAttention(b, s),
-                  capture_layers=drafter.capture_layers)
+    full = target(
+        batch.ids.reshape(-1),
+        torch.arange(s).repeat(b),
+        DenseCausalAttention(b, s),
+        capture_layers=drafter.capture_layers,
+    )
     torch.testing.assert_close(feats, full.hidden.view(b, s, -1))
     want = gather_rows(full.logits.view(b, s, -1), label_positions(anchors, ARCH.gamma) - 1)
     torch.testing.assert_close(block, want, rtol=1e-5, atol=1e-5)
@@ -176,15 +206,29 @@ def test_split_and_batch_order_are_deterministic() -> None:
 
 
 def _train_cfg(distilled: DistillConfig, tmp: Path, name: str, **kw) -> DraftTrainConfig:  # noqa: ANN003
-    args = dict(target_dir=distilled.target_dir, data=distilled.out_dir, out_dir=str(tmp / name / "out"),
-                run_dir=str(tmp / name / "run"), arch=ARCH, steps=4, batch_size=3, seq_len=256,
-                anchors_per_seq=6, lr=2e-3, eval_every=2, eval_fraction=0.25, ckpt_every=2, threads=1,
-                progress=False)
+    args = dict(
+        target_dir=distilled.target_dir,
+        data=distilled.out_dir,
+        out_dir=str(tmp / name / "out"),
+        run_dir=str(tmp / name / "run"),
+        arch=ARCH,
+        steps=4,
+        batch_size=3,
+        seq_len=256,
+        anchors_per_seq=6,
+        lr=2e-3,
+        eval_every=2,
+        eval_fraction=0.25,
+        ckpt_every=2,
+        threads=1,
+        progress=False,
+    )
     return DraftTrainConfig(**{**args, **kw})
 
 
 def test_resumed_run_continues_from_the_saved_step_and_matches_an_uninterrupted_run(
-        distilled: DistillConfig, tmp_path: Path) -> None:
+    distilled: DistillConfig, tmp_path: Path
+) -> None:
     full = train_draft(_train_cfg(distilled, tmp_path, "a"))
     assert full["status"] == "completed" and full["steps"] == 4
     cut = _train_cfg(distilled, tmp_path, "b", max_minutes=0.0)
@@ -214,12 +258,20 @@ def test_trained_drafter_loads_and_runs_in_the_engine(distilled: DistillConfig, 
     d = load_drafter(out, target)
     assert d.gamma == ARCH.gamma and d.config.head_type == "markov"
     prompt = LLMEngine(EngineConfig(model_dir=distilled.target_dir, num_threads=1)).tokenizer.encode_chat(
-        [{"role": "user", "content": "Write a Python function `func_1(a, b)`."}])
+        [{"role": "user", "content": "Write a Python function `func_1(a, b)`."}]
+    )
     params = SamplingParams(temperature=0.0, max_tokens=20)
-    plain = _generate_alone(LLMEngine(EngineConfig(model_dir=distilled.target_dir, num_threads=1)), prompt,
-                            params)
-    spec_engine = LLMEngine(EngineConfig(model_dir=distilled.target_dir, draft_dir=str(out), num_threads=1,
-                                         spec=SpeculativeConfig(mode="fixed")))
+    plain = _generate_alone(
+        LLMEngine(EngineConfig(model_dir=distilled.target_dir, num_threads=1)), prompt, params
+    )
+    spec_engine = LLMEngine(
+        EngineConfig(
+            model_dir=distilled.target_dir,
+            draft_dir=str(out),
+            num_threads=1,
+            spec=SpeculativeConfig(mode="fixed"),
+        )
+    )
     spec = _generate_alone(spec_engine, prompt, params)
     assert spec == plain and len(spec) >= 1
     assert spec_engine.stats.spec_rounds > 0 and spec_engine.stats.spec_verified_tokens > 0

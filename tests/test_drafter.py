@@ -26,10 +26,20 @@ V, H, S = 97, 64, 24
 
 def make_target(seed: int = 0, tied: bool = False) -> TargetModel:
     torch.manual_seed(seed)
-    cfg = ModelConfig(architecture="qwen3", vocab_size=V, hidden_size=H, intermediate_size=96,
-                      num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
-                      rms_norm_eps=1e-6, rope_theta=10000.0, max_position_embeddings=256,
-                      tie_word_embeddings=tied)
+    cfg = ModelConfig(
+        architecture="qwen3",
+        vocab_size=V,
+        hidden_size=H,
+        intermediate_size=96,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        rms_norm_eps=1e-6,
+        rope_theta=10000.0,
+        max_position_embeddings=256,
+        tie_word_embeddings=tied,
+    )
     target = TargetModel(cfg)
     with torch.no_grad():
         for p in target.parameters():
@@ -37,12 +47,21 @@ def make_target(seed: int = 0, tied: bool = False) -> TargetModel:
     return target.eval().requires_grad_(False)
 
 
-def make_drafter(target: TargetModel, head: str = "markov", seed: int = 1, gamma: int = 5,
-                 confidence: bool = True) -> DSparkDrafter:
+def make_drafter(
+    target: TargetModel, head: str = "markov", seed: int = 1, gamma: int = 5, confidence: bool = True
+) -> DSparkDrafter:
     torch.manual_seed(seed)
-    cfg = DraftConfig.from_target(target.config, mask_token_id=V - 1, num_layers=2,
-                                  target_layer_ids=(0, 2), gamma=gamma, head_type=head, markov_rank=8,
-                                  confidence=confidence, intermediate_size=80)
+    cfg = DraftConfig.from_target(
+        target.config,
+        mask_token_id=V - 1,
+        num_layers=2,
+        target_layer_ids=(0, 2),
+        gamma=gamma,
+        head_type=head,
+        markov_rank=8,
+        confidence=confidence,
+        intermediate_size=80,
+    )
     d = DSparkDrafter(cfg, target)
     with torch.no_grad():
         for p in d.parameters():
@@ -61,12 +80,21 @@ HEADS = ["markov", "gated", "rnn", "none"]
 @pytest.mark.parametrize("head", HEADS)
 def test_parameter_names_follow_deepspec(head: str) -> None:
     names = set(make_drafter(make_target(), head).state_dict())
-    assert {"fc.weight", "hidden_norm.weight", "norm.weight", "layers.1.self_attn.k_norm.weight",
-            "layers.0.mlp.gate_proj.weight", "layers.0.post_attention_layernorm.weight"} <= names
+    assert {
+        "fc.weight",
+        "hidden_norm.weight",
+        "norm.weight",
+        "layers.1.self_attn.k_norm.weight",
+        "layers.0.mlp.gate_proj.weight",
+        "layers.0.post_attention_layernorm.weight",
+    } <= names
     assert not any(n.startswith(("embed_tokens", "lm_head", "rotary_emb")) for n in names)
-    extra = {"markov": {"markov_head.markov_w1.weight", "markov_head.markov_w2.weight"},
-             "gated": {"markov_head.gate_proj.weight", "markov_head.gate_proj.bias"},
-             "rnn": {"markov_head.joint_proj.weight", "markov_head.joint_proj.bias"}, "none": set()}[head]
+    extra = {
+        "markov": {"markov_head.markov_w1.weight", "markov_head.markov_w2.weight"},
+        "gated": {"markov_head.gate_proj.weight", "markov_head.gate_proj.bias"},
+        "rnn": {"markov_head.joint_proj.weight", "markov_head.joint_proj.bias"},
+        "none": set(),
+    }[head]
     assert extra <= names
     conf_in = make_drafter(make_target(), head).confidence_head.proj.weight.shape[1]
     assert conf_in == (H if head == "none" else H + 8)  # [h] or [h; W1[x_{k-1}]]
@@ -143,7 +171,7 @@ def test_serving_path_matches_training_path(head: str) -> None:
     d.write_context(feats[0, :13], torch.arange(13), slots[:13], pool)
     d.write_context(feats[0, 13:], torch.arange(13, S), slots[13:], pool)
     a = anchors[0]
-    ctx = DraftContext.from_slot_lists([slots[:int(x)] for x in a])
+    ctx = DraftContext.from_slot_lists([slots[: int(x)] for x in a])
     block = d.backbone(ids[0, a], a, ctx, pool)
     torch.testing.assert_close(block.hidden, train.hidden[0], atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(block.logits, d.base_logits(train.hidden[0]), atol=1e-4, rtol=1e-4)
@@ -158,8 +186,12 @@ def test_serving_path_matches_training_path(head: str) -> None:
         step, state = d.step_logits(block.logits[:, k], train.prev_tokens[0, :, k], block.hidden[:, k], state)
         torch.testing.assert_close(step, train.logits[0, :, k], atol=1e-4, rtol=1e-4)
     if head != "none":
-        torch.testing.assert_close(d.confidence_logits(block.hidden, train.prev_tokens[0]),
-                                   train.confidence_logits[0], atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(
+            d.confidence_logits(block.hidden, train.prev_tokens[0]),
+            train.confidence_logits[0],
+            atol=1e-5,
+            rtol=1e-5,
+        )
 
 
 def test_training_block_sees_only_its_context_prefix() -> None:
@@ -254,9 +286,14 @@ def test_default_target_layer_ids_match_deepspec() -> None:
 def test_config_rejects_inconsistent_fields() -> None:
     t = make_target()
     base = make_drafter(t).config
-    for bad in ({"target_layer_ids": (2, 1)}, {"target_layer_ids": (0, 4)}, {"mask_token_id": V},
-                {"gamma": 0}, {"markov_rank": 0, "confidence_head_with_markov": True},
-                {"markov_head_type": "lstm"}):
+    for bad in (
+        {"target_layer_ids": (2, 1)},
+        {"target_layer_ids": (0, 4)},
+        {"mask_token_id": V},
+        {"gamma": 0},
+        {"markov_rank": 0, "confidence_head_with_markov": True},
+        {"markov_head_type": "lstm"},
+    ):
         with pytest.raises(ValueError):
             dataclasses.replace(base, **bad)
     with pytest.raises(ValueError, match="layer"):
@@ -272,8 +309,12 @@ def test_training_wiring_reduces_loss() -> None:
     loss_mask = torch.ones(b, S)
     loss_mask[:, :3] = 0
     with torch.no_grad():
-        out = t(ids.reshape(-1), torch.arange(S).repeat(b), DenseCausalAttention(b, S),
-                capture_layers=d.capture_layers)
+        out = t(
+            ids.reshape(-1),
+            torch.arange(S).repeat(b),
+            DenseCausalAttention(b, S),
+            capture_layers=d.capture_layers,
+        )
     feats, tlogits = out.hidden.view(b, S, -1), out.logits.view(b, S, V)
     anchors, valid = sample_anchors(loss_mask, 6, generator=torch.Generator().manual_seed(0))
     labels, mask = block_labels(ids, loss_mask, anchors, valid, g)

@@ -24,8 +24,16 @@ V, H, S, R = 97, 64, 20, 8  # V and H must match test_drafter.make_target
 
 def make_drafter(target: TargetModel, head: str = "markov") -> DSparkDrafter:
     torch.manual_seed(1)
-    cfg = DraftConfig.from_target(target.config, mask_token_id=V - 1, num_layers=2, target_layer_ids=(1, 2),
-                                  gamma=4, head_type=head, markov_rank=R, intermediate_size=80)
+    cfg = DraftConfig.from_target(
+        target.config,
+        mask_token_id=V - 1,
+        num_layers=2,
+        target_layer_ids=(1, 2),
+        gamma=4,
+        head_type=head,
+        markov_rank=R,
+        intermediate_size=80,
+    )
     d = DSparkDrafter(cfg, target)
     with torch.no_grad():
         for p in d.parameters():
@@ -47,8 +55,9 @@ def run_both_paths(d: DSparkDrafter) -> tuple[torch.Tensor, torch.Tensor, torch.
     return train.logits, train.confidence_logits, block.logits
 
 
-@pytest.mark.parametrize(("head", "tied"),
-                         [("markov", False), ("rnn", True), ("gated", False), ("none", False)])
+@pytest.mark.parametrize(
+    ("head", "tied"), [("markov", False), ("rnn", True), ("gated", False), ("none", False)]
+)
 def test_round_trip_gives_identical_logits(tmp_path: Path, head: str, tied: bool) -> None:
     target = make_target(tied=tied)
     d = make_drafter(target, head)
@@ -70,17 +79,42 @@ def test_round_trip_gives_identical_logits(tmp_path: Path, head: str, tied: bool
 def deepspec_config() -> dict[str, Any]:
     """What DeepSpec's save_pretrained writes (transformers 5: rope_parameters, dtype)."""
     return {
-        "architectures": ["Qwen3DSparkModel"], "model_type": "qwen3", "attention_bias": False,
-        "attention_dropout": 0.0, "block_size": 4, "bos_token_id": None, "dtype": "bfloat16",
-        "confidence_head_with_markov": True, "enable_confidence_head": True, "eos_token_id": None,
-        "head_dim": 16, "hidden_act": "silu", "hidden_size": H, "initializer_range": 0.02,
-        "intermediate_size": 80, "layer_types": ["full_attention"], "markov_head_type": "vanilla",
-        "markov_rank": R, "mask_token_id": 96, "max_position_embeddings": 256, "max_window_layers": 28,
-        "num_anchors": 512, "num_attention_heads": 4, "num_hidden_layers": 1, "num_key_value_heads": 2,
-        "num_target_layers": 4, "pad_token_id": None, "rms_norm_eps": 1e-6,
-        "rope_parameters": {"rope_theta": 10000.0, "rope_type": "default"}, "sliding_window": None,
-        "target_layer_ids": [0, 2], "tie_word_embeddings": False, "transformers_version": "5.24.0",
-        "use_cache": True, "use_sliding_window": False, "vocab_size": V,
+        "architectures": ["Qwen3DSparkModel"],
+        "model_type": "qwen3",
+        "attention_bias": False,
+        "attention_dropout": 0.0,
+        "block_size": 4,
+        "bos_token_id": None,
+        "dtype": "bfloat16",
+        "confidence_head_with_markov": True,
+        "enable_confidence_head": True,
+        "eos_token_id": None,
+        "head_dim": 16,
+        "hidden_act": "silu",
+        "hidden_size": H,
+        "initializer_range": 0.02,
+        "intermediate_size": 80,
+        "layer_types": ["full_attention"],
+        "markov_head_type": "vanilla",
+        "markov_rank": R,
+        "mask_token_id": 96,
+        "max_position_embeddings": 256,
+        "max_window_layers": 28,
+        "num_anchors": 512,
+        "num_attention_heads": 4,
+        "num_hidden_layers": 1,
+        "num_key_value_heads": 2,
+        "num_target_layers": 4,
+        "pad_token_id": None,
+        "rms_norm_eps": 1e-6,
+        "rope_parameters": {"rope_theta": 10000.0, "rope_type": "default"},
+        "sliding_window": None,
+        "target_layer_ids": [0, 2],
+        "tie_word_embeddings": False,
+        "transformers_version": "5.24.0",
+        "use_cache": True,
+        "use_sliding_window": False,
+        "vocab_size": V,
     }
 
 
@@ -90,18 +124,33 @@ def deepspec_tensors(target: TargetModel) -> dict[str, torch.Tensor]:
     def rnd(*shape: int) -> torch.Tensor:
         return (0.2 * torch.randn(*shape, generator=g)).to(torch.bfloat16)
 
-    t = {f"layers.0.{n}": rnd(*s) for n, s in [
-        ("self_attn.q_proj.weight", (64, H)), ("self_attn.k_proj.weight", (32, H)),
-        ("self_attn.v_proj.weight", (32, H)), ("self_attn.o_proj.weight", (H, 64)),
-        ("self_attn.q_norm.weight", (16,)), ("self_attn.k_norm.weight", (16,)),
-        ("mlp.gate_proj.weight", (80, H)), ("mlp.up_proj.weight", (80, H)),
-        ("mlp.down_proj.weight", (H, 80)), ("input_layernorm.weight", (H,)),
-        ("post_attention_layernorm.weight", (H,))]}
-    t |= {"norm.weight": rnd(H), "fc.weight": rnd(H, 2 * H), "hidden_norm.weight": rnd(H),
-          "markov_head.markov_w1.weight": rnd(V, R), "markov_head.markov_w2.weight": rnd(V, R),
-          "confidence_head.proj.weight": rnd(1, H + R), "confidence_head.proj.bias": rnd(1),
-          "embed_tokens.weight": target.model.embed_tokens.weight.to(torch.bfloat16),
-          "lm_head.weight": target.lm_head.weight.to(torch.bfloat16)}
+    t = {
+        f"layers.0.{n}": rnd(*s)
+        for n, s in [
+            ("self_attn.q_proj.weight", (64, H)),
+            ("self_attn.k_proj.weight", (32, H)),
+            ("self_attn.v_proj.weight", (32, H)),
+            ("self_attn.o_proj.weight", (H, 64)),
+            ("self_attn.q_norm.weight", (16,)),
+            ("self_attn.k_norm.weight", (16,)),
+            ("mlp.gate_proj.weight", (80, H)),
+            ("mlp.up_proj.weight", (80, H)),
+            ("mlp.down_proj.weight", (H, 80)),
+            ("input_layernorm.weight", (H,)),
+            ("post_attention_layernorm.weight", (H,)),
+        ]
+    }
+    t |= {
+        "norm.weight": rnd(H),
+        "fc.weight": rnd(H, 2 * H),
+        "hidden_norm.weight": rnd(H),
+        "markov_head.markov_w1.weight": rnd(V, R),
+        "markov_head.markov_w2.weight": rnd(V, R),
+        "confidence_head.proj.weight": rnd(1, H + R),
+        "confidence_head.proj.bias": rnd(1),
+        "embed_tokens.weight": target.model.embed_tokens.weight.to(torch.bfloat16),
+        "lm_head.weight": target.lm_head.weight.to(torch.bfloat16),
+    }
     return t
 
 
@@ -165,8 +214,12 @@ def test_config_variants_parse_alike() -> None:
     nested["dflash_config"] = {k: nested.pop(k) for k in dspark_keys}
     assert DraftConfig.from_hf_dict(nested) == base
     prefixed = deepspec_config()
-    for k, new in [("block_size", "dspark_block_size"), ("target_layer_ids", "dspark_target_layer_ids"),
-                   ("mask_token_id", "dspark_noise_token_id"), ("markov_rank", "dspark_markov_rank")]:
+    for k, new in [
+        ("block_size", "dspark_block_size"),
+        ("target_layer_ids", "dspark_target_layer_ids"),
+        ("mask_token_id", "dspark_noise_token_id"),
+        ("markov_rank", "dspark_markov_rank"),
+    ]:
         prefixed[new] = prefixed.pop(k)
     assert DraftConfig.from_hf_dict(prefixed) == base
     with pytest.raises(ValueError, match="architectures"):
@@ -186,11 +239,21 @@ def test_transformers_reads_our_config() -> None:
 # --------------------------------------------------------------------------- SGLang's parser
 
 _SGLANG_STUBS = (  # heavy imports of the two files that parse_dspark_draft_config does not use
-    "sglang", "sglang.srt", "sglang.srt.speculative", "sglang.srt.speculative.dspark_components",
-    "sglang.kernels", "sglang.kernels.ops.sampling.renorm", "sglang.kernels.ops.speculative.verify_sampling",
-    "sglang.srt.layers", "sglang.srt.layers.quantization.unquant", "sglang.srt.layers.sampler",
-    "sglang.srt.managers.schedule_batch", "sglang.srt.model_executor.runner_utils.pool",
-    "sglang.srt.runtime_context", "sglang.srt.speculative.spec_utils", "sglang.srt.utils",
+    "sglang",
+    "sglang.srt",
+    "sglang.srt.speculative",
+    "sglang.srt.speculative.dspark_components",
+    "sglang.kernels",
+    "sglang.kernels.ops.sampling.renorm",
+    "sglang.kernels.ops.speculative.verify_sampling",
+    "sglang.srt.layers",
+    "sglang.srt.layers.quantization.unquant",
+    "sglang.srt.layers.sampler",
+    "sglang.srt.managers.schedule_batch",
+    "sglang.srt.model_executor.runner_utils.pool",
+    "sglang.srt.runtime_context",
+    "sglang.srt.speculative.spec_utils",
+    "sglang.srt.utils",
     "sglang.srt.arg_groups.overrides",
 )
 
@@ -209,9 +272,11 @@ def _load_sglang_parser() -> Any:
     if spec is None or spec.origin is None:
         pytest.skip("sglang is not installed")
     root = Path(spec.origin).parent
-    files = {"sglang.srt.speculative.dflash_utils": root / "srt/speculative/dflash_utils.py",
-             "sglang.srt.speculative.dspark_components.dspark_config":
-                 root / "srt/speculative/dspark_components/dspark_config.py"}
+    files = {
+        "sglang.srt.speculative.dflash_utils": root / "srt/speculative/dflash_utils.py",
+        "sglang.srt.speculative.dspark_components.dspark_config": root
+        / "srt/speculative/dspark_components/dspark_config.py",
+    }
     if not all(f.is_file() for f in files.values()):
         pytest.skip("this sglang has no DSpark config parser")
     names = (*_SGLANG_STUBS, *files)

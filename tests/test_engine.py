@@ -46,12 +46,18 @@ def reference_greedy(model_dir: Path, prompt: list[int], n: int) -> list[int]:
         x = torch.tensor(ids)
         out = model(x, torch.arange(len(ids)), DenseCausalAttention(1, len(ids)))
         ids.append(int(out.logits[-1].argmax()))
-    return ids[len(prompt):]
+    return ids[len(prompt) :]
 
 
 def test_greedy_batched_chunked_equals_full_recompute(tiny_model: Path) -> None:
-    cfg = EngineConfig(model_dir=str(tiny_model), dtype="float64", max_batch_tokens=40,
-                       prefill_chunk=16, max_running=8, page_size=4)
+    cfg = EngineConfig(
+        model_dir=str(tiny_model),
+        dtype="float64",
+        max_batch_tokens=40,
+        prefill_chunk=16,
+        max_running=8,
+        page_size=4,
+    )
     engine = LLMEngine(cfg)
     rng = random.Random(0)
     prompts = [[rng.randrange(4, 300) for _ in range(rng.randrange(3, 70))] for _ in range(8)]
@@ -66,8 +72,15 @@ def test_greedy_batched_chunked_equals_full_recompute(tiny_model: Path) -> None:
 
 def test_kv_capacity_returns_after_hundreds_of_requests_with_aborts(tiny_model: Path) -> None:
     # Few pages: admission waits and decodes preempt each other (recompute) along the way.
-    cfg = EngineConfig(model_dir=str(tiny_model), page_size=4, num_pages=60, max_running=16,
-                       max_batch_tokens=64, prefill_chunk=24, max_model_len=128)
+    cfg = EngineConfig(
+        model_dir=str(tiny_model),
+        page_size=4,
+        num_pages=60,
+        max_running=16,
+        max_batch_tokens=64,
+        prefill_chunk=24,
+        max_model_len=128,
+    )
     engine = LLMEngine(cfg)
     alloc = engine.runner.allocator
     start_free = alloc.free_pages
@@ -79,8 +92,9 @@ def test_kv_capacity_returns_after_hundreds_of_requests_with_aborts(tiny_model: 
         rid = f"r{i}"
         prompt = [rng.randrange(4, 300) for _ in range(rng.randrange(1, 60))]
         max_tokens = rng.randrange(1, 20)
-        engine.add_request(rid, prompt, SamplingParams(temperature=1.0, seed=i, max_tokens=max_tokens),
-                           col.sink(rid))
+        engine.add_request(
+            rid, prompt, SamplingParams(temperature=1.0, seed=i, max_tokens=max_tokens), col.sink(rid)
+        )
         expected_len[rid] = max_tokens
         for _ in range(rng.randrange(0, 3)):
             engine.step()
@@ -106,10 +120,12 @@ def test_same_seed_same_output_regardless_of_batch(tiny_model: Path) -> None:
         engine = LLMEngine(EngineConfig(model_dir=str(tiny_model)))
         col = Collector()
         for j in range(companions):
-            engine.add_request(f"c{j}", [7 + j] * (3 + j), SamplingParams(temperature=1.0, max_tokens=30),
-                               col.sink(f"c{j}"))
-        engine.add_request("x", prompt, SamplingParams(temperature=1.0, top_p=0.9, seed=seed,
-                                                       max_tokens=30), col.sink("x"))
+            engine.add_request(
+                f"c{j}", [7 + j] * (3 + j), SamplingParams(temperature=1.0, max_tokens=30), col.sink(f"c{j}")
+            )
+        engine.add_request(
+            "x", prompt, SamplingParams(temperature=1.0, top_p=0.9, seed=seed, max_tokens=30), col.sink("x")
+        )
         run_all(engine)
         return col.tokens("x")
 
@@ -139,8 +155,9 @@ def test_long_prefill_is_chunked_and_does_not_stall_decodes(tiny_model: Path) ->
     col = Collector()
     engine.add_request("short", [5, 6, 7], SamplingParams(temperature=0, max_tokens=50), col.sink("short"))
     engine.step()  # prefill + first token
-    engine.add_request("long", list(range(4, 300)) * 2, SamplingParams(temperature=0, max_tokens=2),
-                       col.sink("long"))
+    engine.add_request(
+        "long", list(range(4, 300)) * 2, SamplingParams(temperature=0, max_tokens=2), col.sink("long")
+    )
     produced = []
     for _ in range(10):
         before = len(col.tokens("short"))
@@ -154,16 +171,22 @@ def test_stop_string_stop_token_and_eos(tiny_model: Path, tiny_model_eos: Path) 
     engine = LLMEngine(EngineConfig(model_dir=str(tiny_model)))
     col = Collector()
     prompt = [11, 12, 13, 14]
-    engine.add_request("free", prompt, SamplingParams(temperature=1.0, seed=7, max_tokens=40),
-                       col.sink("free"))
+    engine.add_request(
+        "free", prompt, SamplingParams(temperature=1.0, seed=7, max_tokens=40), col.sink("free")
+    )
     run_all(engine)
     text, tokens = col.text("free"), col.tokens("free")
-    stop = text[len(text) // 2: len(text) // 2 + 3]
+    stop = text[len(text) // 2 : len(text) // 2 + 3]
     assert stop.strip()
-    engine.add_request("s", prompt, SamplingParams(temperature=1.0, seed=7, max_tokens=40, stop=(stop,)),
-                       col.sink("s"))
-    engine.add_request("t", prompt, SamplingParams(temperature=1.0, seed=7, max_tokens=40,
-                                                   stop_token_ids=(tokens[5],)), col.sink("t"))
+    engine.add_request(
+        "s", prompt, SamplingParams(temperature=1.0, seed=7, max_tokens=40, stop=(stop,)), col.sink("s")
+    )
+    engine.add_request(
+        "t",
+        prompt,
+        SamplingParams(temperature=1.0, seed=7, max_tokens=40, stop_token_ids=(tokens[5],)),
+        col.sink("t"),
+    )
     run_all(engine)
     assert col.text("s") == text[: text.index(stop)]
     assert col.final("s").finish_reason == "stop"
@@ -175,8 +198,12 @@ def test_stop_string_stop_token_and_eos(tiny_model: Path, tiny_model_eos: Path) 
     assert eos
     c = Collector()
     for seed in range(40):
-        eng2.add_request(f"e{seed}", [9, 8, 7], SamplingParams(temperature=2.0, seed=seed, max_tokens=60),
-                         c.sink(f"e{seed}"))
+        eng2.add_request(
+            f"e{seed}",
+            [9, 8, 7],
+            SamplingParams(temperature=2.0, seed=seed, max_tokens=60),
+            c.sink(f"e{seed}"),
+        )
     run_all(eng2)
     finishes = [c.final(f"e{seed}").finish_reason for seed in range(40)]
     for seed, reason in enumerate(finishes):

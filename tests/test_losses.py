@@ -30,8 +30,13 @@ def logits(p: list[list[float]]) -> torch.Tensor:
 
 
 def hand_case() -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    return (logits(P_DRAFT), logits(P_TARGET), torch.tensor(LABELS).view(1, 1, 2),
-            torch.ones(1, 1, 2, dtype=torch.bool), torch.tensor(CONF).view(1, 1, 2))
+    return (
+        logits(P_DRAFT),
+        logits(P_TARGET),
+        torch.tensor(LABELS).view(1, 1, 2),
+        torch.ones(1, 1, 2, dtype=torch.bool),
+        torch.tensor(CONF).view(1, 1, 2),
+    )
 
 
 def test_position_weights() -> None:

@@ -30,10 +30,26 @@ def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LoggedServer]:
     draft = build_tiny_drafter(target, root / "draft", gamma=GAMMA, seed=6)
     # A flat SPS curve: verifying more costs nothing, so the planner verifies (no startup profiling).
     profile = root / "sps.json"
-    profile.write_text(json.dumps({"sample_batch_tokens": PROBES, "sample_steps_per_sec": [50.0] * 4,
-                                   "max_batch_tokens": 512}))
-    s = start(["--model", str(target), "--draft", str(draft), "--spec-mode", "dspark", "--no-draft-gate",
-               "--profile", str(profile), "--max-model-len", "256"])
+    profile.write_text(
+        json.dumps(
+            {"sample_batch_tokens": PROBES, "sample_steps_per_sec": [50.0] * 4, "max_batch_tokens": 512}
+        )
+    )
+    s = start(
+        [
+            "--model",
+            str(target),
+            "--draft",
+            str(draft),
+            "--spec-mode",
+            "dspark",
+            "--no-draft-gate",
+            "--profile",
+            str(profile),
+            "--max-model-len",
+            "256",
+        ]
+    )
     yield s
     s.stop()
 
@@ -51,14 +67,22 @@ def test_counters_equal_the_workload(server: LoggedServer) -> None:
     model = client.models.list().data[0].id
     before = wait_idle(server.base_url)
     usages: list[Any] = []
-    jobs = [dict(prompt=[5, 6, 7, 8], max_tokens=40, temperature=0),
-            dict(prompt=[9, 10, 11], max_tokens=33, temperature=0),
-            dict(prompt=[12, 13, 14, 15, 16], max_tokens=25, temperature=1.0, seed=3),
-            dict(prompt=[17, 18], max_tokens=30, temperature=0.7, top_p=0.9, seed=4)]
+    jobs = [
+        dict(prompt=[5, 6, 7, 8], max_tokens=40, temperature=0),
+        dict(prompt=[9, 10, 11], max_tokens=33, temperature=0),
+        dict(prompt=[12, 13, 14, 15, 16], max_tokens=25, temperature=1.0, seed=3),
+        dict(prompt=[17, 18], max_tokens=30, temperature=0.7, top_p=0.9, seed=4),
+    ]
     for job in jobs:
         usages.append(client.completions.create(model=model, **job).usage)
-    stream = client.completions.create(model=model, prompt=[4, 5, 6], max_tokens=21, temperature=0,
-                                       stream=True, stream_options={"include_usage": True})
+    stream = client.completions.create(
+        model=model,
+        prompt=[4, 5, 6],
+        max_tokens=21,
+        temperature=0,
+        stream=True,
+        stream_options={"include_usage": True},
+    )
     usages += [c.usage for c in stream if c.usage]
     n = len(jobs) + 1
     assert len(usages) == n
@@ -77,15 +101,22 @@ def test_counters_equal_the_workload(server: LoggedServer) -> None:
     assert _delta(after, before, "dspark_spec_decode_num_drafts_total") == rounds
     assert _delta(after, before, "dspark_spec_decode_num_accepted_tokens_total") == accepted
     assert _delta(after, before, "dspark_spec_decode_num_verified_tokens_total") == verified
-    assert _delta(after, before, "dspark_spec_decode_num_draft_tokens_total") == sum(
-        s["draft_tokens"] for s in spec) == GAMMA * rounds
+    assert (
+        _delta(after, before, "dspark_spec_decode_num_draft_tokens_total")
+        == sum(s["draft_tokens"] for s in spec)
+        == GAMMA * rounds
+    )
     # every token after the first comes from a speculative round
     assert _delta(after, before, "dspark_spec_decode_num_emitted_tokens_total") == completion - n
-    per_pos = [_delta(after, before, "dspark_spec_decode_num_accepted_tokens_per_pos_total",
-                      position=str(k)) for k in range(GAMMA)]
+    per_pos = [
+        _delta(after, before, "dspark_spec_decode_num_accepted_tokens_per_pos_total", position=str(k))
+        for k in range(GAMMA)
+    ]
     assert sum(per_pos) == accepted and per_pos == sorted(per_pos, reverse=True)
-    ver_pos = [_delta(after, before, "dspark_spec_decode_num_verified_tokens_per_pos_total",
-                      position=str(k)) for k in range(GAMMA)]
+    ver_pos = [
+        _delta(after, before, "dspark_spec_decode_num_verified_tokens_per_pos_total", position=str(k))
+        for k in range(GAMMA)
+    ]
     assert sum(ver_pos) == verified and all(a <= v for a, v in zip(per_pos, ver_pos, strict=True))
     # histograms: one acceptance length per round, summing to the emitted tokens; the per-step
     # verification budget sums to the verified tokens; one sample per request where one is due
@@ -93,8 +124,12 @@ def test_counters_equal_the_workload(server: LoggedServer) -> None:
     count, total = _hist_delta(after, before, "dspark_spec_verify_tokens_per_step")
     assert total == verified and 0 < count <= rounds
     assert _hist_delta(after, before, "dspark_spec_request_verify_length_mean")[0] == n
-    for name in ("dspark_time_to_first_token_seconds", "dspark_e2e_request_latency_seconds",
-                 "dspark_request_queue_time_seconds", "dspark_time_per_output_token_seconds"):
+    for name in (
+        "dspark_time_to_first_token_seconds",
+        "dspark_e2e_request_latency_seconds",
+        "dspark_request_queue_time_seconds",
+        "dspark_time_per_output_token_seconds",
+    ):
         assert _hist_delta(after, before, name)[0] == n, name
     assert _hist_delta(after, before, "dspark_request_generation_tokens") == (n, completion)
     itl_count = _hist_delta(after, before, "dspark_inter_token_latency_seconds")[0]
@@ -111,17 +146,22 @@ def test_speculative_gauges(server: LoggedServer) -> None:
         assert 25.0 <= live <= 100.0  # clamped to [base / 2, base * 2]
     assert sum(value(s, "dspark_spec_sps_samples", batch_tokens=str(b)) for b in PROBES) > 0
     assert value(s, "dspark_spec_calibration_samples", position="0") > 0
-    for name in ("dspark_spec_calibration_predicted_acceptance",
-                 "dspark_spec_calibration_realised_acceptance"):
+    for name in (
+        "dspark_spec_calibration_predicted_acceptance",
+        "dspark_spec_calibration_realised_acceptance",
+    ):
         assert 0.0 <= value(s, name, position="0") <= 1.0
     gap = value(s, "dspark_spec_calibration_gap", position="0")
-    assert gap == pytest.approx(value(s, "dspark_spec_calibration_predicted_acceptance", position="0")
-                                - value(s, "dspark_spec_calibration_realised_acceptance", position="0"))
+    assert gap == pytest.approx(
+        value(s, "dspark_spec_calibration_predicted_acceptance", position="0")
+        - value(s, "dspark_spec_calibration_realised_acceptance", position="0")
+    )
     # while a request decodes, the gauges show the planner's budget of the latest step
     client = openai.OpenAI(base_url=f"{server.base_url}/v1", api_key="x", max_retries=0)
     budgets, means = [], []
-    stream = client.completions.create(model=client.models.list().data[0].id, prompt=[5, 6, 7],
-                                       max_tokens=150, temperature=0, stream=True)
+    stream = client.completions.create(
+        model=client.models.list().data[0].id, prompt=[5, 6, 7], max_tokens=150, temperature=0, stream=True
+    )
     for i, _ in enumerate(stream):
         if i % 5 == 2:
             live = scrape(server.base_url)
@@ -152,8 +192,11 @@ def test_metric_names_follow_the_conventions(server: LoggedServer) -> None:
         name, kind = m.groups()
         assert name.startswith("dspark_"), name
         assert not re.search(r"_(ms|milliseconds|percent|perc)$", name), name  # base units
-        samples = [line.split("{")[0].split(" ")[0] for line in text.splitlines()
-                   if line.startswith(name) and not line.startswith("#")]
+        samples = [
+            line.split("{")[0].split(" ")[0]
+            for line in text.splitlines()
+            if line.startswith(name) and not line.startswith("#")
+        ]
         if kind == "counter":
             assert name.endswith("_total") and all(x == name for x in samples), (name, samples)
     assert family_total(scrape(server.base_url), "dspark_requests_total") > 0

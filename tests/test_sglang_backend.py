@@ -134,8 +134,11 @@ def server_fields(sg_root: Path) -> dict[str, str]:
     """ServerArgs field -> its type (source text), from the namespaces ServerArgs is built from."""
     tree = ast.parse((sg_root / "srt" / "server_args.py").read_text())
     namespaces = next(
-        [e.id for e in node.value.elts] for node in tree.body if isinstance(node, ast.Assign)
-        and any(getattr(t, "id", "") == "_INPUT_NAMESPACES" for t in node.targets))
+        [e.id for e in node.value.elts]
+        for node in tree.body
+        if isinstance(node, ast.Assign)
+        and any(getattr(t, "id", "") == "_INPUT_NAMESPACES" for t in node.targets)
+    )
     fields: dict[str, str] = {}
     for f in (sg_root / "srt" / "arg_groups" / "fields").glob("*.py"):
         for node in ast.parse(f.read_text()).body:
@@ -176,19 +179,38 @@ def _node_accepts(node: ast.expr, value: Any) -> bool:
 
 def _configs(tmp: Path) -> list[SGLangConfig]:
     return [
-        SGLangConfig(model_path="/m/target", draft_path="/m/draft", spec_mode="dspark", gamma=5,
-                     sps_table_path=str(tmp / "sps.json"), sts_path=str(tmp / "sts.json"), tp_size=2,
-                     dtype="bfloat16", max_model_len=4096, max_running=64, mem_fraction_static=0.8,
-                     attention_backend="fa3", random_seed=7, deterministic=True, enable_metrics=True,
-                     extra_server_args=(("cuda_graph_max_bs_decode", 64), ("chunked_prefill_size", 4096))),
-        SGLangConfig(model_path="/m/target", draft_path="/m/draft", spec_mode="fixed",
-                     sps_table_path="x.json", sts_path="y.json"),
+        SGLangConfig(
+            model_path="/m/target",
+            draft_path="/m/draft",
+            spec_mode="dspark",
+            gamma=5,
+            sps_table_path=str(tmp / "sps.json"),
+            sts_path=str(tmp / "sts.json"),
+            tp_size=2,
+            dtype="bfloat16",
+            max_model_len=4096,
+            max_running=64,
+            mem_fraction_static=0.8,
+            attention_backend="fa3",
+            random_seed=7,
+            deterministic=True,
+            enable_metrics=True,
+            extra_server_args=(("cuda_graph_max_bs_decode", 64), ("chunked_prefill_size", 4096)),
+        ),
+        SGLangConfig(
+            model_path="/m/target",
+            draft_path="/m/draft",
+            spec_mode="fixed",
+            sps_table_path="x.json",
+            sts_path="y.json",
+        ),
         SGLangConfig(model_path="/m/target", spec_mode="off", max_running=8),
     ]
 
 
 def test_server_kwargs_are_server_args_fields_of_the_right_types(
-        tmp_path: Path, server_fields: dict[str, str]) -> None:
+    tmp_path: Path, server_fields: dict[str, str]
+) -> None:
     for cfg in _configs(tmp_path):
         for name, value in build_server_kwargs(cfg).items():
             assert name in server_fields, f"{name} is not a ServerArgs field of SGLang 0.5.23"
@@ -202,22 +224,31 @@ def test_dspark_mapping(tmp_path: Path) -> None:
     cfg = _configs(tmp_path)[0]
     kw = build_server_kwargs(cfg)
     assert kw == {
-        "model_path": "/m/target", "skip_tokenizer_init": True, "tp_size": 2, "dtype": "bfloat16",
-        "log_level": "error", "context_length": 4096, "max_running_requests": 64,
-        "mem_fraction_static": 0.8, "attention_backend": "fa3", "random_seed": 7,
-        "enable_deterministic_inference": True, "enable_metrics": True,
-        "speculative_algorithm": "DSPARK", "speculative_draft_model_path": "/m/draft",
+        "model_path": "/m/target",
+        "skip_tokenizer_init": True,
+        "tp_size": 2,
+        "dtype": "bfloat16",
+        "log_level": "error",
+        "context_length": 4096,
+        "max_running_requests": 64,
+        "mem_fraction_static": 0.8,
+        "attention_backend": "fa3",
+        "random_seed": 7,
+        "enable_deterministic_inference": True,
+        "enable_metrics": True,
+        "speculative_algorithm": "DSPARK",
+        "speculative_draft_model_path": "/m/draft",
         "speculative_dspark_block_size": 5,
         "speculative_dspark_sps_table_path": str(tmp_path / "sps.json"),
         "speculative_dspark_confidence_sts_path": str(tmp_path / "sts.json"),
-        "cuda_graph_max_bs_decode": 64, "chunked_prefill_size": 4096,
+        "cuda_graph_max_bs_decode": 64,
+        "chunked_prefill_size": 4096,
     }
     assert build_env(cfg) == {"SGLANG_RAGGED_VERIFY_MODE": "compact"}
 
 
 def test_fixed_and_off_modes() -> None:
-    fixed = SGLangConfig(model_path="t", draft_path="d", spec_mode="fixed", sps_table_path="s",
-                         sts_path="c")
+    fixed = SGLangConfig(model_path="t", draft_path="d", spec_mode="fixed", sps_table_path="s", sts_path="c")
     kw = build_server_kwargs(fixed)
     assert kw["speculative_algorithm"] == "DSPARK" and "speculative_dspark_block_size" not in kw
     assert "speculative_dspark_sps_table_path" not in kw  # static verification reads neither file
@@ -244,10 +275,21 @@ def test_config_refusals() -> None:
 
 
 def test_extra_server_args_parsing() -> None:
-    assert parse_extra_server_args(["cuda-graph-max-bs-decode=64", "--disable_radix_cache=true",
-                                    "kv_cache_dtype=fp8_e4m3", "x=[1, 2]", "y="]) == (
-        ("cuda_graph_max_bs_decode", 64), ("disable_radix_cache", True),
-        ("kv_cache_dtype", "fp8_e4m3"), ("x", [1, 2]), ("y", ""))
+    assert parse_extra_server_args(
+        [
+            "cuda-graph-max-bs-decode=64",
+            "--disable_radix_cache=true",
+            "kv_cache_dtype=fp8_e4m3",
+            "x=[1, 2]",
+            "y=",
+        ]
+    ) == (
+        ("cuda_graph_max_bs_decode", 64),
+        ("disable_radix_cache", True),
+        ("kv_cache_dtype", "fp8_e4m3"),
+        ("x", [1, 2]),
+        ("y", ""),
+    )
     with pytest.raises(ValueError, match="NAME=VALUE"):
         parse_extra_server_args(["no_value"])
 
@@ -278,13 +320,23 @@ def sg_sampling(sg_root: Path) -> types.ModuleType:
     return _import_sglang(sg_root, "sglang.srt.sampling.sampling_params")
 
 
-@pytest.mark.parametrize("params", [
-    SamplingParams(temperature=0.0, max_tokens=17),
-    SamplingParams(temperature=0.7, top_p=0.9, top_k=0, seed=123, max_tokens=5,
-                   stop=("\n\n", "END"), stop_token_ids=(9, 4)),
-    SamplingParams(temperature=1.3, top_k=-1, ignore_eos=True, stop_token_ids=(2,)),
-    SamplingParams(temperature=1.0, top_k=40),
-])
+@pytest.mark.parametrize(
+    "params",
+    [
+        SamplingParams(temperature=0.0, max_tokens=17),
+        SamplingParams(
+            temperature=0.7,
+            top_p=0.9,
+            top_k=0,
+            seed=123,
+            max_tokens=5,
+            stop=("\n\n", "END"),
+            stop_token_ids=(9, 4),
+        ),
+        SamplingParams(temperature=1.3, top_k=-1, ignore_eos=True, stop_token_ids=(2,)),
+        SamplingParams(temperature=1.0, top_k=40),
+    ],
+)
 def test_sampling_params_mapping(params: SamplingParams, sg_sampling: types.ModuleType) -> None:
     eos = (2, 7)
     d = sampling_params_to_sglang(params, eos)
@@ -317,10 +369,19 @@ GAMMA = 4
 @pytest.fixture(scope="module")
 def spec_metrics_fn(sg_root: Path) -> Any:
     """SGLang's ``TokenizerManager._calculate_spec_decoding_metrics`` (the meta_info writer)."""
-    env = {"get_spec": lambda: types.SimpleNamespace(speculative_num_draft_tokens=GAMMA + 1),
-           "_ragged_verify_cap_accept": lambda: False, "Dict": dict, "Any": Any, "Union": Union}
-    ns = _compile_defs(sg_root / "srt" / "managers" / "tokenizer_manager.py",
-                       {"_calculate_spec_decoding_metrics"}, env, cls="TokenizerManager")
+    env = {
+        "get_spec": lambda: types.SimpleNamespace(speculative_num_draft_tokens=GAMMA + 1),
+        "_ragged_verify_cap_accept": lambda: False,
+        "Dict": dict,
+        "Any": Any,
+        "Union": Union,
+    }
+    ns = _compile_defs(
+        sg_root / "srt" / "managers" / "tokenizer_manager.py",
+        {"_calculate_spec_decoding_metrics"},
+        env,
+        cls="TokenizerManager",
+    )
     return ns["_calculate_spec_decoding_metrics"]
 
 
@@ -335,15 +396,22 @@ def _scheduler_record(rounds: list[tuple[int, int]], completion_tokens: int, rag
         cap_hist.extend([0] * (vlen + 1 - len(cap_hist)))
         cap_hist[vlen] += 1
     return types.SimpleNamespace(
-        spec_verify_ct=[len(rounds)], spec_num_correct_drafts=[sum(a for _, a in rounds)],
-        completion_tokens=[completion_tokens], spec_correct_drafts_histogram=[acc_hist],
+        spec_verify_ct=[len(rounds)],
+        spec_num_correct_drafts=[sum(a for _, a in rounds)],
+        completion_tokens=[completion_tokens],
+        spec_correct_drafts_histogram=[acc_hist],
         spec_num_cap_tokens=[sum(v for v, _ in rounds) if ragged else 0],
-        spec_cap_lens_histogram=[cap_hist if ragged else []], spec_num_block_accept_tokens=[0])
+        spec_cap_lens_histogram=[cap_hist if ragged else []],
+        spec_num_block_accept_tokens=[0],
+    )
 
 
 def _sglang_meta(fn: Any, rounds: list[tuple[int, int]], completion_tokens: int, ragged: bool) -> dict:
-    meta = {"finish_reason": {"type": "length", "length": completion_tokens},
-            "prompt_tokens": 5, "completion_tokens": completion_tokens}
+    meta = {
+        "finish_reason": {"type": "length", "length": completion_tokens},
+        "prompt_tokens": 5,
+        "completion_tokens": completion_tokens,
+    }
     fn(None, meta, _scheduler_record(rounds, completion_tokens, ragged), 0)
     return meta
 
@@ -414,10 +482,15 @@ def test_refuses_without_sglang() -> None:
 # ---- the drafter checkpoint through SGLang's runtime checks ----------------------------------
 
 _DFLASH_STUBS = (
-    "sglang.kernels.ops.sampling.renorm", "sglang.kernels.ops.speculative.verify_sampling",
-    "sglang.srt.layers.quantization.unquant", "sglang.srt.layers.sampler",
-    "sglang.srt.managers.schedule_batch", "sglang.srt.model_executor.runner_utils.pool",
-    "sglang.srt.runtime_context", "sglang.srt.speculative.spec_utils", "sglang.srt.utils",
+    "sglang.kernels.ops.sampling.renorm",
+    "sglang.kernels.ops.speculative.verify_sampling",
+    "sglang.srt.layers.quantization.unquant",
+    "sglang.srt.layers.sampler",
+    "sglang.srt.managers.schedule_batch",
+    "sglang.srt.model_executor.runner_utils.pool",
+    "sglang.srt.runtime_context",
+    "sglang.srt.speculative.spec_utils",
+    "sglang.srt.utils",
     "sglang.srt.arg_groups.overrides",
 )
 
@@ -430,43 +503,55 @@ def sg_dspark_config(sg_root: Path) -> types.ModuleType:
 @pytest.fixture(scope="module")
 def drafters(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     root = tmp_path_factory.mktemp("sglang_drafters")
-    return {"markov": build_tiny_drafter(tiny_model, root / "markov", gamma=4, markov_rank=16),
-            "none": build_tiny_drafter(tiny_model, root / "none", gamma=4, head_type="none")}
+    return {
+        "markov": build_tiny_drafter(tiny_model, root / "markov", gamma=4, markov_rank=16),
+        "none": build_tiny_drafter(tiny_model, root / "none", gamma=4, head_type="none"),
+    }
 
 
-def test_sglang_runtime_config_from_our_drafter(sg_dspark_config: types.ModuleType, tiny_model: Path,
-                                                drafters: dict[str, Path]) -> None:
+def test_sglang_runtime_config_from_our_drafter(
+    sg_dspark_config: types.ModuleType, tiny_model: Path, drafters: dict[str, Path]
+) -> None:
     raw = json.loads((drafters["markov"] / "config.json").read_text())
     target = json.loads((tiny_model / "config.json").read_text())
     mask_id = Tokenizer(tiny_model).token_id("<|mask|>")
-    rt = sg_dspark_config.resolve_runtime_config(draft_hf_config=raw, speculative_num_draft_tokens=None,
-                                                 target_vocab_size=target["vocab_size"])
+    rt = sg_dspark_config.resolve_runtime_config(
+        draft_hf_config=raw, speculative_num_draft_tokens=None, target_vocab_size=target["vocab_size"]
+    )
     assert (rt.gamma, rt.verify_num_draft_tokens, rt.mask_token_id) == (4, 5, mask_id)
     # --gamma 3: SGLang derives speculative_num_draft_tokens = block size + 1 from our kwarg
-    kw = build_server_kwargs(SGLangConfig(model_path=str(tiny_model), draft_path=str(drafters["markov"]),
-                                          gamma=3))
+    kw = build_server_kwargs(
+        SGLangConfig(model_path=str(tiny_model), draft_path=str(drafters["markov"]), gamma=3)
+    )
     rt = sg_dspark_config.resolve_runtime_config(
-        draft_hf_config=raw, speculative_num_draft_tokens=kw["speculative_dspark_block_size"] + 1,
-        target_vocab_size=target["vocab_size"])
+        draft_hf_config=raw,
+        speculative_num_draft_tokens=kw["speculative_dspark_block_size"] + 1,
+        target_vocab_size=target["vocab_size"],
+    )
     assert rt.gamma == 3
     assert sg_dspark_config.get_dspark_sample_from_anchor(raw) is True
     # our target is not mistaken for a checkpoint with a bundled drafter (--draft is used)
     assert not sg_dspark_config.checkpoint_bundles_dspark_draft(target)
-    assert check_draft_for_sglang(SGLangConfig(model_path=str(tiny_model),
-                                               draft_path=str(drafters["markov"]))) == 4
+    assert (
+        check_draft_for_sglang(SGLangConfig(model_path=str(tiny_model), draft_path=str(drafters["markov"])))
+        == 4
+    )
 
 
 def test_drafters_sglang_rejects_are_refused_before_start(
-        sg_dspark_config: types.ModuleType, tiny_model: Path, drafters: dict[str, Path]) -> None:
+    sg_dspark_config: types.ModuleType, tiny_model: Path, drafters: dict[str, Path]
+) -> None:
     raw = json.loads((drafters["none"] / "config.json").read_text())
     with pytest.raises(ValueError, match="markov_rank > 0"):
-        sg_dspark_config.resolve_runtime_config(draft_hf_config=raw, speculative_num_draft_tokens=None,
-                                                target_vocab_size=10_000)
+        sg_dspark_config.resolve_runtime_config(
+            draft_hf_config=raw, speculative_num_draft_tokens=None, target_vocab_size=10_000
+        )
     with pytest.raises(ValueError, match="Markov head"):
         check_draft_for_sglang(SGLangConfig(model_path=str(tiny_model), draft_path=str(drafters["none"])))
     with pytest.raises(ValueError, match="block size 4"):
-        check_draft_for_sglang(SGLangConfig(model_path=str(tiny_model), draft_path=str(drafters["markov"]),
-                                            gamma=6))
+        check_draft_for_sglang(
+            SGLangConfig(model_path=str(tiny_model), draft_path=str(drafters["markov"]), gamma=6)
+        )
 
 
 def test_shipped_demo_drafter_parses_in_sglang(sg_dspark_config: types.ModuleType) -> None:
@@ -476,8 +561,9 @@ def test_shipped_demo_drafter_parses_in_sglang(sg_dspark_config: types.ModuleTyp
         pytest.skip("the demo drafter is not built in this checkout")
     raw = json.loads((DEMO_DRAFT / "config.json").read_text())
     vocab = json.loads((DEMO_TARGET / "config.json").read_text())["vocab_size"]
-    rt = sg_dspark_config.resolve_runtime_config(draft_hf_config=raw, speculative_num_draft_tokens=None,
-                                                 target_vocab_size=vocab)
+    rt = sg_dspark_config.resolve_runtime_config(
+        draft_hf_config=raw, speculative_num_draft_tokens=None, target_vocab_size=vocab
+    )
     assert rt.gamma == raw["block_size"]
 
 
@@ -489,11 +575,20 @@ def sg_budget(sg_root: Path) -> types.SimpleNamespace:
     comp = sg_root / "srt" / "speculative" / "dspark_components"
     sps = _import_sglang(sg_root, "sglang.srt.speculative.dspark_components.dspark_sps")
     env = {"torch": torch, "msgspec": msgspec, "Optional": Optional, "Union": Union, **vars(sps)}
-    planner = _compile_defs(comp / "dspark_planner.py",
-                            {"DSparkScheduleConfig", "VerifyBudgetDecision", "compute_verify_token_budget",
-                             "_lookup_sps_tensor", "_additive_step_time_tensor"}, env)
-    return types.SimpleNamespace(sps=sps, **{k: planner[k] for k in
-                                             ("DSparkScheduleConfig", "compute_verify_token_budget")})
+    planner = _compile_defs(
+        comp / "dspark_planner.py",
+        {
+            "DSparkScheduleConfig",
+            "VerifyBudgetDecision",
+            "compute_verify_token_budget",
+            "_lookup_sps_tensor",
+            "_additive_step_time_tensor",
+        },
+        env,
+    )
+    return types.SimpleNamespace(
+        sps=sps, **{k: planner[k] for k in ("DSparkScheduleConfig", "compute_verify_token_budget")}
+    )
 
 
 def _theta_path(survival: torch.Tensor, table: SpsCostTable) -> np.ndarray:
@@ -504,7 +599,8 @@ def _theta_path(survival: torch.Tensor, table: SpsCostTable) -> np.ndarray:
 
 
 def test_sync_planner_agrees_with_sglang_budget_when_theta_is_unimodal(
-        sg_budget: types.SimpleNamespace) -> None:
+    sg_budget: types.SimpleNamespace,
+) -> None:
     rng = np.random.default_rng(21)
     unimodal = 0
     for _ in range(600):
@@ -523,10 +619,11 @@ def test_sync_planner_agrees_with_sglang_budget_when_theta_is_unimodal(
         ours = make_planner(PlannerConfig(mode="dspark", gamma=gamma), table).plan_detailed(conf)
         theirs = sg_budget.compute_verify_token_budget(
             history_survival_probs=survival,
-            sps_table=sg_budget.sps.SpsCostTable(sample_batch_tokens=probes,
-                                                 sample_steps_per_sec=[float(s) for s in sps],
-                                                 max_batch_tokens=top),
-            cfg=sg_budget.DSparkScheduleConfig(gamma=gamma))
+            sps_table=sg_budget.sps.SpsCostTable(
+                sample_batch_tokens=probes, sample_steps_per_sec=[float(s) for s in sps], max_batch_tokens=top
+            ),
+            cfg=sg_budget.DSparkScheduleConfig(gamma=gamma),
+        )
         assert ours.batch_tokens - r == theirs.budget
         assert ours.expected_throughput == pytest.approx(theirs.predicted_theta, rel=1e-9)
     assert unimodal >= 60, unimodal
@@ -539,9 +636,11 @@ def test_sync_planner_stops_where_sglang_budget_looks_past_a_dip(sg_budget: type
     ours = make_planner(PlannerConfig(mode="dspark", gamma=2), table).plan_detailed(conf)
     theirs = sg_budget.compute_verify_token_budget(
         history_survival_probs=prefix_survival(conf),
-        sps_table=sg_budget.sps.SpsCostTable(sample_batch_tokens=[1, 2], sample_steps_per_sec=[10.0, 6.0],
-                                             max_batch_tokens=3),
-        cfg=sg_budget.DSparkScheduleConfig(gamma=2))
+        sps_table=sg_budget.sps.SpsCostTable(
+            sample_batch_tokens=[1, 2], sample_steps_per_sec=[10.0, 6.0], max_batch_tokens=3
+        ),
+        cfg=sg_budget.DSparkScheduleConfig(gamma=2),
+    )
     assert ours.verify_lens.tolist() == [0] and ours.expected_throughput == pytest.approx(10.0)
     assert theirs.budget == 2 and theirs.predicted_theta == pytest.approx(12.0)
 
@@ -554,11 +653,25 @@ def test_profiler_interface_we_call_exists(sg_root: Path) -> None:
     defs = {n.name: n for n in tree.body if isinstance(n, (ast.FunctionDef, ast.ClassDef))}
     profile_all = defs["profile_all"]
     assert {a.arg for a in profile_all.args.kwonlyargs} == {
-        "base_url", "batch_sizes", "settings", "out", "max_batch_tokens", "repeats", "self_check",
-        "local_tokenizer_path", "fracs", "plot"}
+        "base_url",
+        "batch_sizes",
+        "settings",
+        "out",
+        "max_batch_tokens",
+        "repeats",
+        "self_check",
+        "local_tokenizer_path",
+        "fracs",
+        "plot",
+    }
     settings = {s.target.id for s in defs["RoundSettings"].body if isinstance(s, ast.AnnAssign)}
-    assert {"input_len", "temperature", "min_steady_steps", "min_steady_seconds",
-            "round_timeout_seconds"} <= settings
+    assert {
+        "input_len",
+        "temperature",
+        "min_steady_steps",
+        "min_steady_seconds",
+        "round_timeout_seconds",
+    } <= settings
     assert "build_request_count_sweep" in defs
     src = ast.unparse(tree)
     assert "get_tokenizer(context.tokenizer_path)" in src  # the module global we replace
@@ -567,8 +680,15 @@ def test_profiler_interface_we_call_exists(sg_root: Path) -> None:
 
 
 def test_profile_server_kwargs(tmp_path: Path) -> None:
-    server = SGLangConfig(model_path="/m/t", draft_path="/m/d", spec_mode="fixed", max_running=16,
-                          sps_table_path="s.json", sts_path="c.json", gamma=5)
+    server = SGLangConfig(
+        model_path="/m/t",
+        draft_path="/m/d",
+        spec_mode="fixed",
+        max_running=16,
+        sps_table_path="s.json",
+        sts_path="c.json",
+        gamma=5,
+    )
     kw = profile_server_kwargs(SGLangProfileConfig(server=server, max_batch_size=96), 30123)
     assert kw["speculative_algorithm"] == "DSPARK" and kw["speculative_dspark_block_size"] == 5
     assert kw["max_running_requests"] == 96 and kw["cuda_graph_max_bs_decode"] == 96
@@ -577,8 +697,9 @@ def test_profile_server_kwargs(tmp_path: Path) -> None:
     assert "speculative_dspark_confidence_sts_path" not in kw
     with pytest.raises(ValueError, match="drafter"):
         SGLangProfileConfig(server=SGLangConfig(model_path="/m/t", spec_mode="off"))
-    assert default_sglang_profile_path("/x/demo-target", "NVIDIA H200", 2) == \
-        Path("profiles/demo-target__sglang__nvidia-h200__tp2.json")
+    assert default_sglang_profile_path("/x/demo-target", "NVIDIA H200", 2) == Path(
+        "profiles/demo-target__sglang__nvidia-h200__tp2.json"
+    )
 
 
 def test_sglang_fitted_table_converts(tmp_path: Path, sg_budget: types.SimpleNamespace) -> None:
@@ -587,9 +708,13 @@ def test_sglang_fitted_table_converts(tmp_path: Path, sg_budget: types.SimpleNam
     path.write_text(fitted.to_json())
     ours = convert_sglang_table(path)
     assert ours == SpsCostTable((8, 64, 512), (240.0, 180.5, 41.0), 512)
-    additive = sg_budget.sps.SpsAdditiveCostTable(bias_seconds=0.01, bs_probes=[1, 8],
-                                                  alpha_seconds=[0.0, 0.001], m_probes=[8, 64],
-                                                  theta_seconds=[0.0, 0.002])
+    additive = sg_budget.sps.SpsAdditiveCostTable(
+        bias_seconds=0.01,
+        bs_probes=[1, 8],
+        alpha_seconds=[0.0, 0.001],
+        m_probes=[8, 64],
+        theta_seconds=[0.0, 0.002],
+    )
     path.write_text(additive.to_json())
     with pytest.raises(ValueError, match="additive"):
         convert_sglang_table(path)
@@ -616,8 +741,15 @@ class FakeEngine:
     round of (accepted + 1) tokens; stops at ``stop_token_ids`` / ``max_new_tokens`` like the
     scheduler; the last chunk carries ``finish_reason`` and the spec metrics SGLang computes."""
 
-    def __init__(self, script: list[int], accepted: list[int], spec_fn: Any, *,
-                 sglang_abort_after: int | None = None, **kwargs: Any) -> None:
+    def __init__(
+        self,
+        script: list[int],
+        accepted: list[int],
+        spec_fn: Any,
+        *,
+        sglang_abort_after: int | None = None,
+        **kwargs: Any,
+    ) -> None:
         self.kwargs = kwargs
         self.script, self.accepted, self.spec_fn = script, accepted, spec_fn
         self.sglang_abort_after = sglang_abort_after
@@ -629,8 +761,9 @@ class FakeEngine:
     def shutdown(self) -> None:
         self.shut = True
 
-    async def async_generate(self, *, input_ids: list[int], sampling_params: dict, stream: bool,
-                             rid: str) -> AsyncIterator[dict]:
+    async def async_generate(
+        self, *, input_ids: list[int], sampling_params: dict, stream: bool, rid: str
+    ) -> AsyncIterator[dict]:
         assert stream is True
         self.calls.append({"input_ids": input_ids, "sampling_params": sampling_params, "rid": rid})
         return self._run(rid, sampling_params)
@@ -645,12 +778,15 @@ class FakeEngine:
         for i, size in enumerate(sizes):
             await asyncio.sleep(0)
             if aborted.is_set() or (self.sglang_abort_after is not None and i > self.sglang_abort_after):
-                finish = {"type": "abort", "message": "Aborted" if aborted.is_set() else "KV pool exhausted",
-                          "status_code": None}
+                finish = {
+                    "type": "abort",
+                    "message": "Aborted" if aborted.is_set() else "KV pool exhausted",
+                    "status_code": None,
+                }
                 break
             if i:
                 rounds.append((GAMMA + 1, size - 1))
-            for tok in self.script[len(out): len(out) + size]:
+            for tok in self.script[len(out) : len(out) + size]:
                 out.append(tok)
                 if tok in stops:
                     finish = {"type": "stop", "matched": tok}
@@ -662,8 +798,10 @@ class FakeEngine:
                 finish = {"type": "stop", "matched": out[-1]}
             if finish is not None:
                 break
-            yield {"output_ids": out, "meta_info": {"id": rid, "finish_reason": None,
-                                                    "completion_tokens": len(out)}}
+            yield {
+                "output_ids": out,
+                "meta_info": {"id": rid, "finish_reason": None, "completion_tokens": len(out)},
+            }
         meta = {"id": rid, "finish_reason": finish, "completion_tokens": len(out), "prompt_tokens": 3}
         if rounds:
             self.spec_fn(None, meta, _scheduler_record(rounds, len(out), ragged=True), 0)
@@ -728,8 +866,9 @@ def test_stream_text_usage_and_stats(make_backend: Any, tiny_model: Path) -> Non
 
 
 def test_stop_string_ends_locally_and_aborts_sglang(make_backend: Any) -> None:
-    b, engine, _ = make_backend("alpha beta STOP gamma delta epsilon zeta eta theta",
-                                accepted=[1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1])
+    b, engine, _ = make_backend(
+        "alpha beta STOP gamma delta epsilon zeta eta theta", accepted=[1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1]
+    )
     outs = asyncio.run(_collect(b.generate("r", [5], SamplingParams(max_tokens=50, stop=("STOP",)))))
     text = "".join(o.new_text for o in outs)
     assert text == "alpha beta " and outs[-1].finish_reason == "stop"
@@ -782,13 +921,15 @@ def test_admission_and_validation(make_backend: Any) -> None:
     asyncio.run(fill())
 
 
-def test_backend_refuses_mismatched_calibration(tiny_model: Path, drafters: dict[str, Path],
-                                                tmp_path: Path) -> None:
+def test_backend_refuses_mismatched_calibration(
+    tiny_model: Path, drafters: dict[str, Path], tmp_path: Path
+) -> None:
     from dspark_server.planner import StsCalibration, save_sts_calibration
 
     save_sts_calibration(StsCalibration((1.0, 2.0)), tmp_path / "sts.json")
-    cfg = SGLangConfig(model_path=str(tiny_model), draft_path=str(drafters["markov"]),
-                       sts_path=str(tmp_path / "sts.json"))
+    cfg = SGLangConfig(
+        model_path=str(tiny_model), draft_path=str(drafters["markov"]), sts_path=str(tmp_path / "sts.json")
+    )
     with pytest.raises(ValueError, match="gamma=2"):
         SGLangBackend(cfg, engine_factory=lambda **_: None)
 
@@ -807,8 +948,10 @@ def test_default_calibration_and_profile_files(tmp_path: Path, monkeypatch: pyte
     got = with_default_files(cfg, "NVIDIA H200")
     assert got.sts_path == str(draft / "sts_calibration.json") and got.sps_table_path == str(table)
     assert with_default_files(cfg, "NVIDIA A100").sps_table_path is None  # another GPU's table
-    assert with_default_files(replace_cfg(cfg, sps_table_path="mine.json"), "NVIDIA H200").sps_table_path \
+    assert (
+        with_default_files(replace_cfg(cfg, sps_table_path="mine.json"), "NVIDIA H200").sps_table_path
         == "mine.json"
+    )
     fixed = with_default_files(replace_cfg(cfg, spec_mode="fixed"), "NVIDIA H200")
     assert fixed.sps_table_path is None  # static verification reads no table
 
@@ -828,12 +971,17 @@ def test_openai_api_over_the_sglang_backend(make_backend: Any) -> None:
     async def call() -> list[dict]:
         transport = httpx.ASGITransport(app=app)
         async with httpx.AsyncClient(transport=transport, base_url="http://t") as client:
-            body = {"model": "demo", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 8,
-                    "temperature": 0, "stream": True, "stream_options": {"include_usage": True}}
+            body = {
+                "model": "demo",
+                "messages": [{"role": "user", "content": "hi"}],
+                "max_tokens": 8,
+                "temperature": 0,
+                "stream": True,
+                "stream_options": {"include_usage": True},
+            }
             r = await client.post("/v1/chat/completions", json=body)
             assert r.status_code == 200, r.text
-            return [json.loads(line[6:]) for line in r.text.splitlines()
-                    if line.startswith("data: {")]
+            return [json.loads(line[6:]) for line in r.text.splitlines() if line.startswith("data: {")]
 
     chunks = asyncio.run(call())
     usage = chunks[-1]["usage"]
@@ -885,8 +1033,9 @@ def test_loading_sglang_source_leaves_no_trace(sg_root: Path) -> None:
         _import_sglang(sg_root, "sglang.srt.speculative.dspark_components.dspark_sts")
 
 
-@pytest.mark.parametrize("flag", [["--no-draft-gate"], ["--sps-only-cost"],
-                                  ["--greedy-calibration", "g.json"]])
+@pytest.mark.parametrize(
+    "flag", [["--no-draft-gate"], ["--sps-only-cost"], ["--greedy-calibration", "g.json"]]
+)
 def test_native_only_flags_are_refused_with_the_sglang_backend(flag: list[str]) -> None:
     from dspark_server.cli import _sglang_config, build_parser
 

@@ -32,19 +32,27 @@ def pair(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
 @pytest.fixture(scope="module")
 def small_vocab_pair(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
     root = tmp_path_factory.mktemp("small")
-    target = build_tiny_model(root / "target", layers=2, with_eos=False, seed=7, vocab_size=12,
-                              init_std=0.08)
+    target = build_tiny_model(root / "target", layers=2, with_eos=False, seed=7, vocab_size=12, init_std=0.08)
     return target, build_tiny_drafter(target, root / "draft", gamma=3, seed=8, init_std=0.05)
 
 
 def make_engine(target: Path, draft: Path | None, mode: str = "off", **kw: object) -> LLMEngine:
     # The measured-time parts of dspark mode (draft gate, step-overhead pricing) are off unless a
     # test asks: random tiny drafters rarely pay off, and these tests need rounds to happen.
-    spec = SpeculativeConfig(mode=mode if draft else "off", threshold=0.3,  # type: ignore[arg-type]
-                             draft_gate=bool(kw.pop("draft_gate", False)),
-                             price_step_overhead=bool(kw.pop("price_step_overhead", False)))
-    cfg = EngineConfig(model_dir=str(target), draft_dir=str(draft) if draft else None, dtype="float64",
-                       max_batch_tokens=kw.pop("max_batch_tokens", 1024), spec=spec, **kw)  # type: ignore[arg-type]
+    spec = SpeculativeConfig(
+        mode=mode if draft else "off",
+        threshold=0.3,  # type: ignore[arg-type]
+        draft_gate=bool(kw.pop("draft_gate", False)),
+        price_step_overhead=bool(kw.pop("price_step_overhead", False)),
+    )
+    cfg = EngineConfig(
+        model_dir=str(target),
+        draft_dir=str(draft) if draft else None,
+        dtype="float64",
+        max_batch_tokens=kw.pop("max_batch_tokens", 1024),
+        spec=spec,
+        **kw,
+    )  # type: ignore[arg-type]
     return LLMEngine(cfg)
 
 
@@ -74,22 +82,30 @@ def test_greedy_output_equals_plain_decoding_in_every_mode(pair: tuple[Path, Pat
         assert st.spec_accepted_tokens < st.spec_verified_tokens  # random drafts: rejections happen
     # the server's default dspark mode: measured step costs and the draft gate choose ℓ (and
     # whether to draft at all) from timings, which must not change a single token
-    engine = make_engine(target, draft, "dspark", max_running=concurrency, draft_gate=True,
-                         price_step_overhead=True)
+    engine = make_engine(
+        target, draft, "dspark", max_running=concurrency, draft_gate=True, price_step_overhead=True
+    )
     col = generate(engine, prompts, params)
     assert all(col.tokens(str(i)) == ref.tokens(str(i)) for i in range(concurrency))
 
 
 def test_stops_inside_an_accepted_block_cut_exactly_where_plain_decoding_stops(
-        pair: tuple[Path, Path]) -> None:
+    pair: tuple[Path, Path],
+) -> None:
     target, draft = pair
     prompts = [[9, 10, 11], [20, 21], [10, 7, 7, 7]]
     free = generate(make_engine(target, None), prompts, [SamplingParams(temperature=0, max_tokens=60)] * 3)
     params = []
     for i in range(3):
         toks, text = free.tokens(str(i)), free.text(str(i))
-        params.append(SamplingParams(temperature=0, max_tokens=60, stop_token_ids=(toks[20],),
-                                     stop=(text[len(text) // 3: len(text) // 3 + 2],)))
+        params.append(
+            SamplingParams(
+                temperature=0,
+                max_tokens=60,
+                stop_token_ids=(toks[20],),
+                stop=(text[len(text) // 3 : len(text) // 3 + 2],),
+            )
+        )
     ref = generate(make_engine(target, None), prompts, params)
     for mode in MODES:
         col = generate(make_engine(target, draft, mode), prompts, params)
@@ -99,8 +115,9 @@ def test_stops_inside_an_accepted_block_cut_exactly_where_plain_decoding_stops(
             assert col.final(str(i)).finish_reason == ref.final(str(i)).finish_reason == "stop"
 
 
-def _exact_distribution_of_tokens_2_and_3(engine: LLMEngine, prompt: list[int],
-                                           sp: SamplingParams) -> torch.Tensor:
+def _exact_distribution_of_tokens_2_and_3(
+    engine: LLMEngine, prompt: list[int], sp: SamplingParams
+) -> torch.Tensor:
     """P(t2, t3) = sum_a P(t1 = a) P(t2 | a) P(t3 | a, t2): the tokens of the first speculative round
     (t1 comes from the prefill step)."""
     target = engine.runner.target
@@ -125,8 +142,9 @@ def _empirical(engine: LLMEngine, prompt: list[int], sp: SamplingParams, n: int,
     vocab = engine.runner.target.config.vocab_size
     col = Collector()
     for i in range(n):
-        params = SamplingParams(temperature=sp.temperature, top_p=sp.top_p, top_k=sp.top_k,
-                                seed=seed0 + i, max_tokens=4)
+        params = SamplingParams(
+            temperature=sp.temperature, top_p=sp.top_p, top_k=sp.top_k, seed=seed0 + i, max_tokens=4
+        )
         engine.add_request(f"s{seed0}-{i}", prompt, params, col.sink(str(i)))
     run_all(engine)
     counts = torch.zeros(vocab * vocab, dtype=torch.float64)
@@ -136,10 +154,12 @@ def _empirical(engine: LLMEngine, prompt: list[int], sp: SamplingParams, n: int,
     return counts / n
 
 
-@pytest.mark.parametrize("sp", [SamplingParams(temperature=1.0), SamplingParams(temperature=0.8, top_p=0.8,
-                                                                                 top_k=6)])
-def test_emitted_distribution_equals_target_distribution(small_vocab_pair: tuple[Path, Path],
-                                                         sp: SamplingParams) -> None:
+@pytest.mark.parametrize(
+    "sp", [SamplingParams(temperature=1.0), SamplingParams(temperature=0.8, top_p=0.8, top_k=6)]
+)
+def test_emitted_distribution_equals_target_distribution(
+    small_vocab_pair: tuple[Path, Path], sp: SamplingParams
+) -> None:
     target, draft = small_vocab_pair
     engine = make_engine(target, draft, "fixed", max_running=256)
     prompt = [5, 3, 9]
@@ -149,10 +169,17 @@ def test_emitted_distribution_equals_target_distribution(small_vocab_pair: tuple
     assert engine.stats.spec_accepted_tokens > 0
     assert engine.stats.spec_accepted_tokens < engine.stats.spec_verified_tokens
     gen = torch.Generator().manual_seed(0)
-    refs = [torch.distributions.Dirichlet(torch.ones(exact.numel(), dtype=torch.float64)).sample()
-            for _ in range(5)]
-    refs += [shape_probs(torch.randn(1, exact.numel(), generator=gen).double() * 2,
-                         SamplingTensors.from_params([SamplingParams()]))[0] for _ in range(5)]
+    refs = [
+        torch.distributions.Dirichlet(torch.ones(exact.numel(), dtype=torch.float64)).sample()
+        for _ in range(5)
+    ]
+    refs += [
+        shape_probs(
+            torch.randn(1, exact.numel(), generator=gen).double() * 2,
+            SamplingTensors.from_params([SamplingParams()]),
+        )[0]
+        for _ in range(5)
+    ]
 
     def tv(a: torch.Tensor, b: torch.Tensor) -> float:
         return 0.5 * float((a - b).abs().sum())
@@ -206,8 +233,18 @@ def test_oracle_and_always_wrong_drafters(pair: tuple[Path, Path], wrong: bool) 
 def test_rollback_keeps_kv_accounting_exact_over_thousands_of_rounds(pair: tuple[Path, Path]) -> None:
     target, draft = pair
     # The draft gate would skip most drafting with this random (slow, rarely right) drafter.
-    engine = make_engine(target, draft, "dspark", page_size=4, num_pages=120, max_running=12,
-                         max_model_len=160, prefill_chunk=24, max_batch_tokens=96, draft_gate=False)
+    engine = make_engine(
+        target,
+        draft,
+        "dspark",
+        page_size=4,
+        num_pages=120,
+        max_running=12,
+        max_model_len=160,
+        prefill_chunk=24,
+        max_batch_tokens=96,
+        draft_gate=False,
+    )
     alloc = engine.runner.allocator
     start = alloc.free_pages
     rng = random.Random(3)
@@ -240,8 +277,9 @@ def test_spec_statistics_add_up(pair: tuple[Path, Path]) -> None:
     assert spec.emitted_tokens == spec.accepted_tokens + spec.rounds  # one target token per round
 
 
-def test_temperature_zero_rows_are_planned_with_the_greedy_calibration(pair: tuple[Path, Path],
-                                                                        tmp_path: Path) -> None:
+def test_temperature_zero_rows_are_planned_with_the_greedy_calibration(
+    pair: tuple[Path, Path], tmp_path: Path
+) -> None:
     target, draft = pair  # the tiny drafter has γ = 4 and no calibration files of its own
     greedy_file = tmp_path / "greedy.json"
     save_sts_calibration(StsCalibration(temperatures=(0.5, 0.5, 2.0, 2.0)), greedy_file)

@@ -19,9 +19,17 @@ VOCAB = 97
 
 def _save_hf(tmp_path: Path, arch: str, **extra: object) -> tuple[Path, torch.nn.Module]:
     torch.manual_seed(0)
-    common: dict = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=3,
-                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
-                  rms_norm_eps=1e-6, rope_theta=10000.0)
+    common: dict = dict(
+        vocab_size=VOCAB,
+        hidden_size=64,
+        intermediate_size=96,
+        num_hidden_layers=3,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=256,
+        rms_norm_eps=1e-6,
+        rope_theta=10000.0,
+    )
     common.update(extra)
     if arch == "qwen3":
         cfg = transformers.Qwen3Config(head_dim=16, **common)
@@ -44,9 +52,19 @@ CASES = [
     ("qwen3", {}),
     ("qwen3", {"tie_word_embeddings": True}),
     ("llama", {}),
-    ("llama", {"rope_scaling": {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
-                                "high_freq_factor": 4.0, "original_max_position_embeddings": 32},
-               "rope_theta": 500000.0}),
+    (
+        "llama",
+        {
+            "rope_scaling": {
+                "rope_type": "llama3",
+                "factor": 8.0,
+                "low_freq_factor": 1.0,
+                "high_freq_factor": 4.0,
+                "original_max_position_embeddings": 32,
+            },
+            "rope_theta": 500000.0,
+        },
+    ),
 ]
 
 
@@ -56,8 +74,9 @@ def test_mixed_ragged_batch_matches_transformers(tmp_path: Path, arch: str, extr
     ours = load_target(model_dir)
     cfg = ours.config
     alloc = PageAllocator(num_pages=32, page_size=4)
-    pool = KVPool(cfg.num_hidden_layers, alloc.num_slots, cfg.num_key_value_heads, cfg.head_dim,
-                  torch.float32)
+    pool = KVPool(
+        cfg.num_hidden_layers, alloc.num_slots, cfg.num_key_value_heads, cfg.head_dim, torch.float32
+    )
     g = torch.Generator().manual_seed(1)
     seqs = [torch.randint(0, VOCAB, (n,), generator=g).tolist() for n in (11, 23, 17, 9)]
 
@@ -77,12 +96,12 @@ def test_mixed_ragged_batch_matches_transformers(tmp_path: Path, arch: str, extr
     run([SeqChunk(tables[i], 0, seqs[i][: hist[i]]) for i in (1, 2, 3)])
     # Step 2, one mixed batch: full prefill, ragged 3- and 1-token extends, and a 4-token extend.
     new = [11, 3, 1, 4]
-    chunks = [SeqChunk(tables[i], hist[i], seqs[i][hist[i]: hist[i] + new[i]]) for i in range(4)]
+    chunks = [SeqChunk(tables[i], hist[i], seqs[i][hist[i] : hist[i] + new[i]]) for i in range(4)]
     logits = run(chunks)
     offset = 0
     for i in range(4):
-        ref = _hf_logits(hf, seqs[i][: hist[i] + new[i]])[hist[i]:]
-        got = logits[offset: offset + new[i]]
+        ref = _hf_logits(hf, seqs[i][: hist[i] + new[i]])[hist[i] :]
+        got = logits[offset : offset + new[i]]
         offset += new[i]
         torch.testing.assert_close(got, ref, atol=1e-4, rtol=1e-4)
 
@@ -99,8 +118,13 @@ def test_hidden_capture_matches_transformers_hidden_states(tmp_path: Path) -> No
     assert alloc.reserve(table, len(ids))
     batch = pack([SeqChunk(table, 0, ids)], alloc)
     with torch.no_grad():
-        out = ours(batch.input_ids, batch.positions, batch.attention(pool),
-                   logits_rows=batch.last_rows(), capture_layers=(0, 1))
+        out = ours(
+            batch.input_ids,
+            batch.positions,
+            batch.attention(pool),
+            logits_rows=batch.last_rows(),
+            capture_layers=(0, 1),
+        )
     assert out.logits.shape == (1, VOCAB)
     assert out.hidden is not None
     torch.testing.assert_close(out.hidden[:, :64], ref[1][0], atol=1e-4, rtol=1e-4)

@@ -37,9 +37,15 @@ def tiny(tmp_path_factory):
     d = tmp_path_factory.mktemp("tok")
     tok = train_tokenizer_from_texts(TEXTS, vocab_size=300)
     save_tokenizer(tok, d)
-    arch = TargetArch(vocab_size=tok.get_vocab_size(with_added_tokens=True), hidden_size=32,
-                      intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
-                      num_key_value_heads=2, head_dim=8)
+    arch = TargetArch(
+        vocab_size=tok.get_vocab_size(with_added_tokens=True),
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=8,
+    )
     return tok, d, arch
 
 
@@ -54,8 +60,9 @@ def _batch(tok):
 def test_tokenize_samples_masks_only_answers(tiny):
     tok = tiny[0]
     ids, mask = tokenize_samples([chat_sample("Hi", "Hello"), plain_sample("abc")], tok)
-    text_trained = tok.decode([int(i) for i, m in zip(ids, mask, strict=True) if m],
-                              skip_special_tokens=False)
+    text_trained = tok.decode(
+        [int(i) for i, m in zip(ids, mask, strict=True) if m], skip_special_tokens=False
+    )
     assert text_trained == "Hello" + IM_END + "abc" + ENDOFTEXT
     assert tok.decode([int(i) for i in ids], skip_special_tokens=False).startswith("<|im_start|>user\nHi")
 
@@ -78,8 +85,13 @@ def test_train_step_reduces_loss_and_export_roundtrips(tiny, tmp_path):
     model.eval()
     out = tmp_path / "target"
     export_model(model, out, tok_dir, hf, gen)
-    for name in ("config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json",
-                 "generation_config.json"):
+    for name in (
+        "config.json",
+        "model.safetensors",
+        "tokenizer.json",
+        "tokenizer_config.json",
+        "generation_config.json",
+    ):
         assert (out / name).is_file()
     cfg = ModelConfig.from_dir(out)
     assert cfg.architecture == "qwen3" and cfg.eos_token_ids == tuple(hf["eos_token_id"])

@@ -90,8 +90,9 @@ class SGLangStream:
     """One request's deltas. The SGLang request is sent on the first ``__anext__``; ``close()``
     (sync, idempotent) aborts it if unfinished."""
 
-    def __init__(self, backend: SGLangBackend, request_id: str, prompt_ids: list[int],
-                 params: SamplingParams) -> None:
+    def __init__(
+        self, backend: SGLangBackend, request_id: str, prompt_ids: list[int], params: SamplingParams
+    ) -> None:
         self.request_id = request_id
         self._b = backend
         self._req = Request(request_id, prompt_ids, params, _discard)
@@ -130,8 +131,9 @@ class SGLangStream:
             b._prepare_loop()
             b.stats.prompt_tokens += len(self._req.prompt_ids)
             sp = sampling_params_to_sglang(self._req.params, b.eos_token_ids)
-            self._sgl = await b.engine.async_generate(input_ids=list(self._req.prompt_ids),
-                                                      sampling_params=sp, stream=True, rid=self._rid)
+            self._sgl = await b.engine.async_generate(
+                input_ids=list(self._req.prompt_ids), sampling_params=sp, stream=True, rid=self._rid
+            )
         while True:
             try:
                 chunk = await self._sgl.__anext__()
@@ -149,7 +151,7 @@ class SGLangStream:
             new = ids
             self._consumed += len(ids)
         else:  # cumulative output_ids
-            new = ids[self._consumed:]
+            new = ids[self._consumed :]
             self._consumed = max(self._consumed, len(ids))
         reason, error = finish_from_meta_info(meta)
         sglang_done = reason is not None
@@ -252,15 +254,20 @@ class SGLangBackend:
             if cfg.sps_table_path:
                 self.sps_table = load_sps_table(cfg.sps_table_path)
             else:
-                log.warning("no SPS table (--profile): SGLang's DSpark planner then verifies every "
-                            "draft; profile one with `dspark profile --backend sglang`")
+                log.warning(
+                    "no SPS table (--profile): SGLang's DSpark planner then verifies every "
+                    "draft; profile one with `dspark profile --backend sglang`"
+                )
             if cfg.sts_path:
                 cal = load_sts_calibration(cfg.sts_path)
                 if cal.gamma != self.gamma:
-                    raise ValueError(f"{cfg.sts_path}: STS calibration is for gamma={cal.gamma}, "
-                                     f"the server runs gamma={self.gamma}")
+                    raise ValueError(
+                        f"{cfg.sts_path}: STS calibration is for gamma={cal.gamma}, "
+                        f"the server runs gamma={self.gamma}"
+                    )
         self.max_running = cfg.max_running or (
-            SGLANG_SPEC_DEFAULT_RUNNING if cfg.speculative else DEFAULT_RUNNING_NO_SPEC)
+            SGLANG_SPEC_DEFAULT_RUNNING if cfg.speculative else DEFAULT_RUNNING_NO_SPEC
+        )
         self.max_queued = cfg.max_queued
         self.stats = EngineStats()
         self.outputs = _Outputs(self.tokenizer, self.eos_token_ids)
@@ -339,7 +346,8 @@ class SGLangBackend:
                 f"This model's maximum context length is {self.max_model_len} tokens. However, you "
                 f"requested {total} tokens ({len(prompt_ids)} in the prompt, {params.max_tokens} for "
                 "the completion). Please reduce the length of the prompt or max_tokens.",
-                "max_tokens")
+                "max_tokens",
+            )
 
     @property
     def capacity(self) -> int:
@@ -353,8 +361,10 @@ class SGLangBackend:
         self.validate(prompt_ids, params)
         with self._lock:
             if self._admitted >= self.capacity:
-                raise QueueFullError(f"{self._admitted} requests are running or queued "
-                                     f"(max_running {self.max_running} + max_queued {self.max_queued})")
+                raise QueueFullError(
+                    f"{self._admitted} requests are running or queued "
+                    f"(max_running {self.max_running} + max_queued {self.max_queued})"
+                )
             self._admitted += 1
         return SGLangStream(self, request_id, list(prompt_ids), params)
 
@@ -407,16 +417,25 @@ class SGLangBackend:
         s.num_running, s.num_waiting = running, waiting
         s.kv_total_pages, s.kv_free_pages = total, max(0, total - used)
         # SGLang's KV pool is counted in token slots: one "page" per token here.
-        return LoadSnapshot(running=running, waiting=waiting, admitted=admitted,
-                            max_running=self.max_running, max_queued=self.max_queued,
-                            kv_total_pages=total, kv_free_pages=max(0, total - used))
+        return LoadSnapshot(
+            running=running,
+            waiting=waiting,
+            admitted=admitted,
+            max_running=self.max_running,
+            max_queued=self.max_queued,
+            kv_total_pages=total,
+            kv_free_pages=max(0, total - used),
+        )
 
     def spec_snapshot(self) -> SpecSnapshot | None:
         if not self.cfg.speculative:
             return None
         curve = []
         if self.sps_table is not None:  # SGLang does not refresh its table live: base == live
-            curve = [LiveSpsPoint(b, s, s, 0, None) for b, s in
-                     zip(self.sps_table.sample_batch_tokens, self.sps_table.sample_steps_per_sec,
-                         strict=True)]
+            curve = [
+                LiveSpsPoint(b, s, s, 0, None)
+                for b, s in zip(
+                    self.sps_table.sample_batch_tokens, self.sps_table.sample_steps_per_sec, strict=True
+                )
+            ]
         return SpecSnapshot(mode=self.cfg.spec_mode, gamma=self.gamma, sps_curve=curve, drift=[])

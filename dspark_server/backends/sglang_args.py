@@ -35,13 +35,27 @@ RAGGED_VERIFY_ENV = "SGLANG_RAGGED_VERIFY_MODE"
 # (SGLang's production variant, see docs/sglang.md); "fixed": verify all gamma drafts.
 _VERIFY_MODE_OF = {"dspark": "compact", "fixed": "static"}
 # Kwargs this module sets itself; extra_server_args may not override them silently.
-_OWNED_KWARGS = frozenset({
-    "model_path", "tokenizer_path", "skip_tokenizer_init", "tp_size", "dtype", "context_length",
-    "max_running_requests", "mem_fraction_static", "attention_backend", "random_seed",
-    "enable_deterministic_inference", "enable_metrics", "speculative_algorithm",
-    "speculative_draft_model_path", "speculative_dspark_block_size",
-    "speculative_dspark_sps_table_path", "speculative_dspark_confidence_sts_path",
-})
+_OWNED_KWARGS = frozenset(
+    {
+        "model_path",
+        "tokenizer_path",
+        "skip_tokenizer_init",
+        "tp_size",
+        "dtype",
+        "context_length",
+        "max_running_requests",
+        "mem_fraction_static",
+        "attention_backend",
+        "random_seed",
+        "enable_deterministic_inference",
+        "enable_metrics",
+        "speculative_algorithm",
+        "speculative_draft_model_path",
+        "speculative_dspark_block_size",
+        "speculative_dspark_sps_table_path",
+        "speculative_dspark_confidence_sts_path",
+    }
+)
 
 
 @dataclass(frozen=True)
@@ -77,10 +91,15 @@ class SGLangConfig:
 
     def __post_init__(self) -> None:
         if self.spec_mode not in SGLANG_SPEC_MODES:
-            hint = (" (SGLang has no static-threshold planner; use dspark or fixed)"
-                    if self.spec_mode == "threshold" else "")
-            raise ValueError(f"the SGLang backend supports --spec-mode {', '.join(SGLANG_SPEC_MODES)}; "
-                             f"got {self.spec_mode!r}{hint}")
+            hint = (
+                " (SGLang has no static-threshold planner; use dspark or fixed)"
+                if self.spec_mode == "threshold"
+                else ""
+            )
+            raise ValueError(
+                f"the SGLang backend supports --spec-mode {', '.join(SGLANG_SPEC_MODES)}; "
+                f"got {self.spec_mode!r}{hint}"
+            )
         if self.spec_mode != "off" and not self.draft_path:
             raise ValueError(f"--spec-mode {self.spec_mode} needs a drafter (--draft DIR)")
         if self.gamma is not None and not 1 <= self.gamma <= 32:
@@ -99,8 +118,10 @@ class SGLangConfig:
             raise ValueError(f"verify_mode must be one of {RAGGED_VERIFY_MODES}, got {self.verify_mode!r}")
         for name, _ in self.extra_server_args:
             if name in _OWNED_KWARGS:
-                raise ValueError(f"--sglang-arg {name}=... would override a setting dspark passes "
-                                 "itself; use the dspark flag instead (see docs/sglang.md)")
+                raise ValueError(
+                    f"--sglang-arg {name}=... would override a setting dspark passes "
+                    "itself; use the dspark flag instead (see docs/sglang.md)"
+                )
         object.__setattr__(self, "extra_server_args", tuple(tuple(kv) for kv in self.extra_server_args))
 
     @property
@@ -182,8 +203,9 @@ def parse_extra_server_args(items: Iterable[str]) -> tuple[tuple[str, Any], ...]
 # ---- per-request sampling ----------------------------------------------------------------------
 
 
-def sampling_params_to_sglang(params: SamplingParams, eos_token_ids: Iterable[int] = (), *,
-                              include_stop_strings: bool = False) -> dict[str, Any]:
+def sampling_params_to_sglang(
+    params: SamplingParams, eos_token_ids: Iterable[int] = (), *, include_stop_strings: bool = False
+) -> dict[str, Any]:
     """Our sampling settings as SGLang's ``sampling_params`` dict.
 
     ``top_k`` 0 (ours: disabled) becomes SGLang's -1; temperature 0 stays 0 (SGLang turns it into
@@ -252,9 +274,13 @@ class SpecCounts:
     round_lengths: tuple[tuple[int, int], ...] = field(default=())
 
     def to_spec_stats(self) -> SpecStats:
-        return SpecStats(rounds=self.rounds, draft_tokens=self.draft_tokens,
-                         verified_tokens=self.verified_tokens, accepted_tokens=self.accepted_tokens,
-                         emitted_tokens=self.emitted_tokens)
+        return SpecStats(
+            rounds=self.rounds,
+            draft_tokens=self.draft_tokens,
+            verified_tokens=self.verified_tokens,
+            accepted_tokens=self.accepted_tokens,
+            emitted_tokens=self.emitted_tokens,
+        )
 
     def add_to(self, stats: EngineStats) -> None:
         """Fold into the server-wide counters (and the acceptance-length histogram)."""
@@ -320,10 +346,16 @@ def spec_counts_from_meta_info(meta: Mapping[str, Any], gamma: int, completion_t
     accepted_pos = _at_least(acc_hist, 1, gamma) if acc_hist else ()
     emitted = max(0, min(accepted + rounds, completion_tokens - 1))
     lengths = tuple((k + 1, c) for k, c in enumerate(acc_hist) if c)
-    return SpecCounts(rounds=rounds, draft_tokens=drafted, verified_tokens=verified,
-                      accepted_tokens=accepted, emitted_tokens=emitted,
-                      accepted_per_position=accepted_pos, verified_per_position=verified_pos,
-                      round_lengths=lengths)
+    return SpecCounts(
+        rounds=rounds,
+        draft_tokens=drafted,
+        verified_tokens=verified,
+        accepted_tokens=accepted,
+        emitted_tokens=emitted,
+        accepted_per_position=accepted_pos,
+        verified_per_position=verified_pos,
+        round_lengths=lengths,
+    )
 
 
 # ---- documentation table -----------------------------------------------------------------------
@@ -332,10 +364,16 @@ def spec_counts_from_meta_info(meta: Mapping[str, Any], gamma: int, completion_t
 FLAG_MAPPING: tuple[tuple[str, str, str], ...] = (
     ("--model DIR", "model_path", "target checkpoint (HF directory)"),
     ("--draft DIR", "speculative_draft_model_path", "with speculative_algorithm=DSPARK"),
-    ("--spec-mode dspark", "speculative_algorithm=DSPARK + SGLANG_RAGGED_VERIFY_MODE=compact",
-     "SGLang's budget planner (production variant)"),
-    ("--spec-mode fixed", "speculative_algorithm=DSPARK + SGLANG_RAGGED_VERIFY_MODE=static",
-     "verify all gamma drafts"),
+    (
+        "--spec-mode dspark",
+        "speculative_algorithm=DSPARK + SGLANG_RAGGED_VERIFY_MODE=compact",
+        "SGLang's budget planner (production variant)",
+    ),
+    (
+        "--spec-mode fixed",
+        "speculative_algorithm=DSPARK + SGLANG_RAGGED_VERIFY_MODE=static",
+        "verify all gamma drafts",
+    ),
     ("--spec-mode off", "(no speculative_algorithm)", "target only"),
     ("--gamma N", "speculative_dspark_block_size", "verify window N+1 (speculative_num_draft_tokens)"),
     ("--profile FILE", "speculative_dspark_sps_table_path", "SpsCostTable JSON; dspark mode only"),
@@ -353,4 +391,3 @@ FLAG_MAPPING: tuple[tuple[str, str, str], ...] = (
     ("--sglang-arg NAME=VALUE", "NAME", "any other ServerArgs field"),
     ("(always)", "skip_tokenizer_init=True", "we tokenize, detokenize and match stop strings"),
 )
-

@@ -35,38 +35,47 @@ def cuda_status() -> tuple[bool, str]:
         if torch.version.cuda is None:
             return False, f"torch {torch.__version__} is a CPU-only build"
         visible = os.environ.get("CUDA_VISIBLE_DEVICES")
-        return False, (f"torch {torch.__version__} (CUDA {torch.version.cuda}) sees no CUDA device"
-                       + (f" (CUDA_VISIBLE_DEVICES={visible!r})" if visible is not None else ""))
+        return False, (
+            f"torch {torch.__version__} (CUDA {torch.version.cuda}) sees no CUDA device"
+            + (f" (CUDA_VISIBLE_DEVICES={visible!r})" if visible is not None else "")
+        )
     return True, torch.cuda.get_device_name(0)
 
 
-def require_sglang_runtime(*, cuda: tuple[bool, str] | None = None,
-                           find_spec: Callable[[str], Any] = importlib.util.find_spec,
-                           import_module: Callable[[str], Any] = importlib.import_module) -> str:
+def require_sglang_runtime(
+    *,
+    cuda: tuple[bool, str] | None = None,
+    find_spec: Callable[[str], Any] = importlib.util.find_spec,
+    import_module: Callable[[str], Any] = importlib.import_module,
+) -> str:
     """Refuse (``SGLangUnavailableError``, a one-paragraph message) unless a CUDA device is
     visible and SGLang imports; returns the installed SGLang version."""
     ok, detail = cuda if cuda is not None else cuda_status()
     if not ok:
         raise SGLangUnavailableError(
             f"the SGLang backend needs an NVIDIA GPU with CUDA, and this machine has none: {detail}. "
-            "Run with --backend native on CPU machines, or deploy the GPU image (docs/sglang.md).")
+            "Run with --backend native on CPU machines, or deploy the GPU image (docs/sglang.md)."
+        )
     if find_spec("sglang") is None:
         raise SGLangUnavailableError(
             f"the SGLang backend needs SGLang {SGLANG_VERSION}, which is not installed: "
-            "pip install 'dspark-server[sglang]' (or use the GPU Docker image, docs/sglang.md).")
+            "pip install 'dspark-server[sglang]' (or use the GPU Docker image, docs/sglang.md)."
+        )
     try:
         import_module("sglang")
     except Exception as exc:  # a --no-deps install (CI) or a broken CUDA stack
         raise SGLangUnavailableError(
             f"SGLang is installed but does not import ({type(exc).__name__}: {exc}); install it with "
-            "its dependencies: pip install 'dspark-server[sglang]'.") from exc
+            "its dependencies: pip install 'dspark-server[sglang]'."
+        ) from exc
     try:
         version = importlib.metadata.version("sglang")
     except importlib.metadata.PackageNotFoundError:
         version = "unknown"
     if version != SGLANG_VERSION:
-        log.warning("SGLang %s is installed; dspark-server is built and tested against %s",
-                    version, SGLANG_VERSION)
+        log.warning(
+            "SGLang %s is installed; dspark-server is built and tested against %s", version, SGLANG_VERSION
+        )
     return version
 
 
@@ -90,11 +99,15 @@ def check_draft_for_sglang(cfg: SGLangConfig) -> int:
     assert cfg.draft_path is not None
     draft = read_draft_config(cfg.draft_path)
     if draft.markov_rank <= 0:
-        raise ValueError(f"{cfg.draft_path}: SGLang's DSpark needs a drafter with a Markov head "
-                         "(markov_rank > 0); this one has none (use --backend native)")
+        raise ValueError(
+            f"{cfg.draft_path}: SGLang's DSpark needs a drafter with a Markov head "
+            "(markov_rank > 0); this one has none (use --backend native)"
+        )
     if cfg.ragged_verify_mode != "static" and not draft.enable_confidence_head:
-        raise ValueError(f"{cfg.draft_path}: --spec-mode dspark schedules verification from the "
-                         "drafter's confidence head, which this drafter lacks; use --spec-mode fixed")
+        raise ValueError(
+            f"{cfg.draft_path}: --spec-mode dspark schedules verification from the "
+            "drafter's confidence head, which this drafter lacks; use --spec-mode fixed"
+        )
     gamma = cfg.gamma or draft.gamma
     if gamma > draft.gamma:
         raise ValueError(f"--gamma {gamma} exceeds the drafter's block size {draft.gamma}")

@@ -77,10 +77,18 @@ def latency_stats(prefix: str, values: Sequence[float]) -> dict[str, float]:
 def git_commit() -> str | None:
     try:
         root = Path(__file__).resolve().parents[2]
-        out = subprocess.run(["git", "-C", str(root), "rev-parse", "--short", "HEAD"],
-                             capture_output=True, text=True, timeout=5)
-        dirty = subprocess.run(["git", "-C", str(root), "status", "--porcelain", "--untracked-files=no"],
-                               capture_output=True, text=True, timeout=5)
+        out = subprocess.run(
+            ["git", "-C", str(root), "rev-parse", "--short", "HEAD"],
+            capture_output=True,
+            text=True,
+            timeout=5,
+        )
+        dirty = subprocess.run(
+            ["git", "-C", str(root), "status", "--porcelain", "--untracked-files=no"],
+            capture_output=True,
+            text=True,
+            timeout=5,
+        )
         if out.returncode != 0:
             return None
         return out.stdout.strip() + ("-dirty" if dirty.stdout.strip() else "")
@@ -104,8 +112,11 @@ def machine_info() -> dict[str, Any]:
     except OSError:
         pass
     info: dict[str, Any] = {
-        "cpu": cpu, "cores": os.cpu_count() or 1, "memory_gib": mem_gib,
-        "platform": platform.platform(), "python": platform.python_version(),
+        "cpu": cpu,
+        "cores": os.cpu_count() or 1,
+        "memory_gib": mem_gib,
+        "platform": platform.platform(),
+        "python": platform.python_version(),
         "load_average_1m": round(os.getloadavg()[0], 2) if hasattr(os, "getloadavg") else None,
         "git_commit": git_commit(),
     }
@@ -169,8 +180,13 @@ def concurrency_axis(ax: Any, legend_size: int = 8) -> None:
     ax.legend(fontsize=legend_size)
 
 
-def write_result(result: dict[str, Any], out_dir: Path, name: str,
-                 plot: Callable[[dict[str, Any], Path], None] | None, no_plots: bool) -> None:
+def write_result(
+    result: dict[str, Any],
+    out_dir: Path,
+    name: str,
+    plot: Callable[[dict[str, Any], Path], None] | None,
+    no_plots: bool,
+) -> None:
     """A suite's outputs: NAME.json, NAME.md (the report's rendering, also printed), NAME.png."""
     from dspark_server.bench.report import render
 

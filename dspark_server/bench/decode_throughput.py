@@ -31,9 +31,12 @@ def measure(engine: LLMEngine, concurrency: int, new_tokens: int, prompt_len: in
     """Decode tokens/s with ``concurrency`` requests in flight, prefill excluded."""
     for i in range(concurrency):
         prompt = [(7 * i + j) % 200 + 4 for j in range(prompt_len)]
-        engine.add_request(f"c{concurrency}-{i}-{time.monotonic_ns()}", prompt,
-                           SamplingParams(temperature=0, max_tokens=new_tokens, ignore_eos=True),
-                           lambda out: None)
+        engine.add_request(
+            f"c{concurrency}-{i}-{time.monotonic_ns()}",
+            prompt,
+            SamplingParams(temperature=0, max_tokens=new_tokens, ignore_eos=True),
+            lambda out: None,
+        )
     while any(not r.is_decoding for r in engine.scheduler.running) or engine.scheduler.waiting:
         engine.step()  # prefill everything first
     before = engine.stats.generation_tokens
@@ -56,11 +59,25 @@ def main(argv: list[str] | None = None) -> None:
     if a.threads:
         torch.set_num_threads(a.threads)
     levels = [int(x) for x in a.concurrency.split(",")]
-    model_dir = a.model or str(build_tiny_model(Path(tempfile.mkdtemp()) / "m5", hidden=256, layers=6,
-                                                heads=4, kv_heads=2, intermediate=768,
-                                                init_std=0.05, with_eos=False))
-    engine = LLMEngine(EngineConfig(model_dir=model_dir, max_running=max(levels),
-                                    max_batch_tokens=max(512, max(levels) * a.prompt_len)))
+    model_dir = a.model or str(
+        build_tiny_model(
+            Path(tempfile.mkdtemp()) / "m5",
+            hidden=256,
+            layers=6,
+            heads=4,
+            kv_heads=2,
+            intermediate=768,
+            init_std=0.05,
+            with_eos=False,
+        )
+    )
+    engine = LLMEngine(
+        EngineConfig(
+            model_dir=model_dir,
+            max_running=max(levels),
+            max_batch_tokens=max(512, max(levels) * a.prompt_len),
+        )
+    )
     params = sum(p.numel() for p in engine.runner.target.parameters())
     measure(engine, 2, 8, a.prompt_len)  # warm-up
     samples: dict[int, list[float]] = {c: [] for c in levels}
@@ -73,21 +90,33 @@ def main(argv: list[str] | None = None) -> None:
     result = {
         "kind": "decode_throughput",
         "machine": {**machine_info(), "torch_threads": torch.get_num_threads()},
-        "config": {"command": "python -m dspark_server.bench.decode_throughput "
-                              + " ".join(sys.argv[1:] if argv is None else argv),
-                   "prompt_len": a.prompt_len, "rounds": a.rounds},
+        "config": {
+            "command": "python -m dspark_server.bench.decode_throughput "
+            + " ".join(sys.argv[1:] if argv is None else argv),
+            "prompt_len": a.prompt_len,
+            "rounds": a.rounds,
+        },
         "model_parameters": params,
         "new_tokens": a.new_tokens,
-        "runs": [{"concurrency": c, "tokens_per_s": tps[c], "samples": samples[c],
-                  "ratio_vs_1": tps[c] / tps[levels[0]]} for c in levels],
+        "runs": [
+            {
+                "concurrency": c,
+                "tokens_per_s": tps[c],
+                "samples": samples[c],
+                "ratio_vs_1": tps[c] / tps[levels[0]],
+            }
+            for c in levels
+        ],
     }
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
     (out / "results.json").write_text(json.dumps(result, indent=2))
     _plot(result, out / "decode_throughput.png")
     for r in result["runs"]:
-        print(f"concurrency {r['concurrency']:>3}: {r['tokens_per_s']:8.1f} tok/s  "
-              f"({r['ratio_vs_1']:.2f}x of concurrency {levels[0]})")
+        print(
+            f"concurrency {r['concurrency']:>3}: {r['tokens_per_s']:8.1f} tok/s  "
+            f"({r['ratio_vs_1']:.2f}x of concurrency {levels[0]})"
+        )
 
 
 def _plot(result: dict, path: Path) -> None:

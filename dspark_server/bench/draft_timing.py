@@ -46,17 +46,34 @@ class StepTiming:
 
 
 def tiny_target(vocab: int = 8192, hidden: int = 256, layers: int = 4) -> TargetModel:
-    cfg = ModelConfig(architecture="qwen3", vocab_size=vocab, hidden_size=hidden, intermediate_size=704,
-                      num_hidden_layers=layers, num_attention_heads=4, num_key_value_heads=2, head_dim=64,
-                      rms_norm_eps=1e-6, rope_theta=1e6, max_position_embeddings=4096,
-                      tie_word_embeddings=True)
+    cfg = ModelConfig(
+        architecture="qwen3",
+        vocab_size=vocab,
+        hidden_size=hidden,
+        intermediate_size=704,
+        num_hidden_layers=layers,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=64,
+        rms_norm_eps=1e-6,
+        rope_theta=1e6,
+        max_position_embeddings=4096,
+        tie_word_embeddings=True,
+    )
     return TargetModel(cfg).eval().requires_grad_(False)
 
 
 def build_drafter(target: TargetModel, head: str, rank: int, gamma: int = 7) -> DSparkDrafter:
-    cfg = DraftConfig.from_target(target.config, mask_token_id=target.config.vocab_size - 1, num_layers=1,
-                                  target_layer_ids=(0, 1, 2), gamma=gamma, head_type=head,
-                                  markov_rank=rank, confidence=True)
+    cfg = DraftConfig.from_target(
+        target.config,
+        mask_token_id=target.config.vocab_size - 1,
+        num_layers=1,
+        target_layer_ids=(0, 1, 2),
+        gamma=gamma,
+        head_type=head,
+        markov_rank=rank,
+        confidence=True,
+    )
     return DSparkDrafter(cfg, target).eval().requires_grad_(False)
 
 
@@ -85,13 +102,11 @@ def _loop(d: DSparkDrafter, block: DraftBlock, anchors: torch.Tensor, use_head: 
     return prev
 
 
-def _verify_fn(target: TargetModel, d: DSparkDrafter, requests: int, context: int
-               ) -> Callable[[], object]:
+def _verify_fn(target: TargetModel, d: DSparkDrafter, requests: int, context: int) -> Callable[[], object]:
     """A target forward over every request's anchor + gamma drafts after ``context`` cached tokens."""
     tc, g = target.config, d.gamma
     alloc = PageAllocator(num_pages=requests * (-(-(context + g + 1) // 16)) + 1, page_size=16)
-    pool = KVPool(tc.num_hidden_layers, alloc.num_slots, tc.num_key_value_heads, tc.head_dim,
-                  torch.float32)
+    pool = KVPool(tc.num_hidden_layers, alloc.num_slots, tc.num_key_value_heads, tc.head_dim, torch.float32)
     chunks = []
     for _ in range(requests):
         table = PageTable()
@@ -104,8 +119,9 @@ def _verify_fn(target: TargetModel, d: DSparkDrafter, requests: int, context: in
 
 
 @torch.inference_mode()
-def time_draft_step(d: DSparkDrafter, requests: int, context: int, repeats: int = 30,
-                    target: TargetModel | None = None) -> StepTiming:
+def time_draft_step(
+    d: DSparkDrafter, requests: int, context: int, repeats: int = 30, target: TargetModel | None = None
+) -> StepTiming:
     cfg = d.config
     pool = d.new_kv_pool(requests * context + 1)
     slots = [1 + r * context + torch.arange(context) for r in range(requests)]
@@ -116,18 +132,33 @@ def time_draft_step(d: DSparkDrafter, requests: int, context: int, repeats: int 
     positions = torch.full((requests,), context)
     block = d.backbone(anchors, positions, ctx, pool)
     prevs = torch.randint(0, cfg.vocab_size, (requests, cfg.gamma))
-    ms = _interleaved_ms({
-        "backbone": lambda: d.backbone(anchors, positions, ctx, pool),
-        "sequential": lambda: _loop(d, block, anchors, True),
-        "bare": lambda: _loop(d, block, anchors, False),
-        "confidence": lambda: d.confidence_logits(block.hidden, prevs),
-        **({"verify": _verify_fn(target, d, requests, context)} if target is not None else {}),
-    }, repeats)
+    ms = _interleaved_ms(
+        {
+            "backbone": lambda: d.backbone(anchors, positions, ctx, pool),
+            "sequential": lambda: _loop(d, block, anchors, True),
+            "bare": lambda: _loop(d, block, anchors, False),
+            "confidence": lambda: d.confidence_logits(block.hidden, prevs),
+            **({"verify": _verify_fn(target, d, requests, context)} if target is not None else {}),
+        },
+        repeats,
+    )
     backbone, seq, bare, conf = ms["backbone"], ms["sequential"], ms["bare"], ms["confidence"]
     verify = ms.get("verify", 0.0)
     total = backbone + seq + conf
-    return StepTiming(requests, context, cfg.head_type, cfg.markov_rank, backbone, seq, conf, total,
-                      seq / total, max(seq - bare, 0.0) / total, verify, seq / (total + verify))
+    return StepTiming(
+        requests,
+        context,
+        cfg.head_type,
+        cfg.markov_rank,
+        backbone,
+        seq,
+        conf,
+        total,
+        seq / total,
+        max(seq - bare, 0.0) / total,
+        verify,
+        seq / (total + verify),
+    )
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -154,30 +185,48 @@ def main(argv: list[str] | None = None) -> None:
     else:
         target = tiny_target()
         drafters = [build_drafter(target, head, rank) for head in args.heads for rank in args.rank]
-    print(f"target params {sum(t.numel() for t in target.parameters()) / 1e6:.2f}M, "
-          f"threads {torch.get_num_threads()}")
+    print(
+        f"target params {sum(t.numel() for t in target.parameters()) / 1e6:.2f}M, "
+        f"threads {torch.get_num_threads()}"
+    )
     rows: list[dict[str, object]] = []
-    labels = ([p.rstrip("/").split("/")[-1] for p in (args.drafts or "").split(",") if p] if args.model
-              else [f"{d.config.head_type} r{d.config.markov_rank}" for d in drafters])
+    labels = (
+        [p.rstrip("/").split("/")[-1] for p in (args.drafts or "").split(",") if p]
+        if args.model
+        else [f"{d.config.head_type} r{d.config.markov_rank}" for d in drafters]
+    )
     for label, d in zip(labels, drafters, strict=True):
-        print(f"drafter {d.config.head_type} rank {d.config.markov_rank}: "
-              f"{sum(t.numel() for t in d.parameters()) / 1e6:.2f}M params")
+        print(
+            f"drafter {d.config.head_type} rank {d.config.markov_rank}: "
+            f"{sum(t.numel() for t in d.parameters()) / 1e6:.2f}M params"
+        )
         for r in args.requests:
             t = time_draft_step(d, r, args.context, args.repeats, target)
             rows.append({"label": label, **asdict(t)})
-            print(f"  R={r:3d} ctx={t.context}: backbone {t.backbone_ms:7.2f} ms | sequential "
-                  f"{t.sequential_ms:6.2f} ms | confidence {t.confidence_ms:5.2f} ms | step "
-                  f"{t.total_ms:7.2f} ms | sequential share {100 * t.sequential_share:5.1f}% "
-                  f"(head alone {100 * t.head_only_share:5.1f}%) | target verify "
-                  f"{t.verify_ms:7.2f} ms -> share of round {100 * t.round_share:5.1f}%")
+            print(
+                f"  R={r:3d} ctx={t.context}: backbone {t.backbone_ms:7.2f} ms | sequential "
+                f"{t.sequential_ms:6.2f} ms | confidence {t.confidence_ms:5.2f} ms | step "
+                f"{t.total_ms:7.2f} ms | sequential share {100 * t.sequential_share:5.1f}% "
+                f"(head alone {100 * t.head_only_share:5.1f}%) | target verify "
+                f"{t.verify_ms:7.2f} ms -> share of round {100 * t.round_share:5.1f}%"
+            )
     if args.json:
         from dspark_server.bench.common import machine_info, write_json
 
-        write_json(Path(args.json), {
-            "kind": "draft_timing", "machine": {**machine_info(), "torch_threads": torch.get_num_threads()},
-            "config": {"command": "python -m dspark_server.bench.draft_timing " + " ".join(
-                sys.argv[1:] if argv is None else argv), "context": args.context, "repeats": args.repeats},
-            "rows": rows})
+        write_json(
+            Path(args.json),
+            {
+                "kind": "draft_timing",
+                "machine": {**machine_info(), "torch_threads": torch.get_num_threads()},
+                "config": {
+                    "command": "python -m dspark_server.bench.draft_timing "
+                    + " ".join(sys.argv[1:] if argv is None else argv),
+                    "context": args.context,
+                    "repeats": args.repeats,
+                },
+                "rows": rows,
+            },
+        )
 
 
 if __name__ == "__main__":

@@ -35,11 +35,16 @@ def run_mode(engine: LLMEngine, gen: GenerateConfig) -> dict:
     tokens = sum(len(r["token_ids"]) for r in results)
     rounds = sum(r["spec"]["rounds"] for r in results)
     emitted = sum(r["spec"]["mean_acceptance_length"] * r["spec"]["rounds"] for r in results)
-    return {"tokens": tokens, "seconds": wall, "tokens_per_s": tokens / wall,
-            "mean_acceptance_length": emitted / rounds if rounds else 1.0,
-            "verified_per_round": (sum(r["spec"]["verified_tokens"] for r in results) / rounds
-                                   if rounds else 0.0),
-            "token_ids": [r["token_ids"] for r in results]}
+    return {
+        "tokens": tokens,
+        "seconds": wall,
+        "tokens_per_s": tokens / wall,
+        "mean_acceptance_length": emitted / rounds if rounds else 1.0,
+        "verified_per_round": (
+            sum(r["spec"]["verified_tokens"] for r in results) / rounds if rounds else 0.0
+        ),
+        "token_ids": [r["token_ids"] for r in results],
+    }
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -61,19 +66,32 @@ def main(argv: list[str] | None = None) -> None:
     model = a.model or default_target()
     draft = a.draft or default_draft()
     modes = a.modes.split(",")
-    engines = {m: LLMEngine(EngineConfig(model_dir=model, draft_dir=None if m == "off" else draft,
-                                         max_running=max(1, a.concurrency),
-                                         spec=SpeculativeConfig(mode=m)))  # type: ignore[arg-type]
-               for m in modes}
+    engines = {
+        m: LLMEngine(
+            EngineConfig(
+                model_dir=model,
+                draft_dir=None if m == "off" else draft,
+                max_running=max(1, a.concurrency),
+                spec=SpeculativeConfig(mode=m),
+            )
+        )  # type: ignore[arg-type]
+        for m in modes
+    }
     files = a.prompts.split(",")
     samples: dict[tuple[str, str], list[dict]] = {}
     with tqdm(total=a.rounds * len(files) * len(modes), desc="modes", file=sys.stderr) as bar:
         for rnd in range(a.rounds):
             for f in files:
-                gen = GenerateConfig(prompts=f, limit=a.limit, max_tokens=a.max_tokens,
-                                     temperature=a.temperature, seed=0, concurrency=a.concurrency,
-                                     progress=False)
-                order = modes[rnd % len(modes):] + modes[: rnd % len(modes)]
+                gen = GenerateConfig(
+                    prompts=f,
+                    limit=a.limit,
+                    max_tokens=a.max_tokens,
+                    temperature=a.temperature,
+                    seed=0,
+                    concurrency=a.concurrency,
+                    progress=False,
+                )
+                order = modes[rnd % len(modes) :] + modes[: rnd % len(modes)]
                 for m in order:
                     samples.setdefault((f, m), []).append(run_mode(engines[m], replace(gen)))
                     bar.update(1)
@@ -81,9 +99,14 @@ def main(argv: list[str] | None = None) -> None:
     for (f, m), rs in samples.items():
         base = samples[(f, "off")] if "off" in modes else None
         tps = statistics.median(r["tokens_per_s"] for r in rs)
-        row = {"prompts": Path(f).name, "mode": m, "tokens_per_s": tps,
-               "mean_acceptance_length": rs[0]["mean_acceptance_length"],
-               "verified_per_round": rs[0]["verified_per_round"], "tokens": rs[0]["tokens"]}
+        row = {
+            "prompts": Path(f).name,
+            "mode": m,
+            "tokens_per_s": tps,
+            "mean_acceptance_length": rs[0]["mean_acceptance_length"],
+            "verified_per_round": rs[0]["verified_per_round"],
+            "tokens": rs[0]["tokens"],
+        }
         if base is not None:
             row["ratio_vs_off"] = tps / statistics.median(r["tokens_per_s"] for r in base)
             if a.temperature == 0:
@@ -92,19 +115,31 @@ def main(argv: list[str] | None = None) -> None:
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
     machine = {**machine_info(), "torch_threads": torch.get_num_threads()}
-    result = {"kind": "generate_modes", "machine": machine,
-              "config": {"command": "python -m dspark_server.bench.generate_modes "
-                                    + " ".join(sys.argv[1:] if argv is None else argv)},
-              "limit": a.limit, "max_tokens": a.max_tokens,
-              "temperature": a.temperature, "concurrency": a.concurrency, "rounds": a.rounds,
-              "model": model, "draft": draft, "runs": runs}
+    result = {
+        "kind": "generate_modes",
+        "machine": machine,
+        "config": {
+            "command": "python -m dspark_server.bench.generate_modes "
+            + " ".join(sys.argv[1:] if argv is None else argv)
+        },
+        "limit": a.limit,
+        "max_tokens": a.max_tokens,
+        "temperature": a.temperature,
+        "concurrency": a.concurrency,
+        "rounds": a.rounds,
+        "model": model,
+        "draft": draft,
+        "runs": runs,
+    }
     (out / "results.json").write_text(json.dumps(result, indent=2))
     print("| prompts | mode | tokens/s | × off | τ | drafts verified / round | equal to off |")
     print("| --- | --- | --- | --- | --- | --- | --- |")
     for r in runs:
-        print(f"| {r['prompts']} | {r['mode']} | {r['tokens_per_s']:.1f} | {r.get('ratio_vs_off', 1):.2f} | "
-              f"{r['mean_acceptance_length']:.2f} | {r['verified_per_round']:.2f} | "
-              f"{r.get('output_equals_off', '')} |")
+        print(
+            f"| {r['prompts']} | {r['mode']} | {r['tokens_per_s']:.1f} | {r.get('ratio_vs_off', 1):.2f} | "
+            f"{r['mean_acceptance_length']:.2f} | {r['verified_per_round']:.2f} | "
+            f"{r.get('output_equals_off', '')} |"
+        )
 
 
 if __name__ == "__main__":

@@ -51,8 +51,9 @@ def chat_payload(prompt: str, cfg: ServingConfig, index: int) -> dict[str, Any]:
     return body
 
 
-async def send_request(client: Any, base_url: str, payload: dict[str, Any], index: int,
-                       headers: dict[str, str] | None = None) -> RequestResult:
+async def send_request(
+    client: Any, base_url: str, payload: dict[str, Any], index: int, headers: dict[str, str] | None = None
+) -> RequestResult:
     """POST one streaming chat completion; timestamps every SSE chunk as it arrives."""
     import httpx
 
@@ -60,8 +61,9 @@ async def send_request(client: Any, base_url: str, payload: dict[str, Any], inde
     last_content: float | None = None
     done = usage_seen = False
     try:
-        async with client.stream("POST", f"{base_url}/v1/chat/completions", json=payload,
-                                 headers=headers) as resp:
+        async with client.stream(
+            "POST", f"{base_url}/v1/chat/completions", json=payload, headers=headers
+        ) as resp:
             res.status = resp.status_code
             if resp.status_code != 200:
                 body = (await resp.aread()).decode(errors="replace")
@@ -110,10 +112,16 @@ async def send_request(client: Any, base_url: str, payload: dict[str, Any], inde
     return res
 
 
-async def run_load(client: Any, base_url: str, payloads: Sequence[dict[str, Any]], concurrency: int,
-                   request_rate: float | None, seed: int, headers: dict[str, str] | None = None,
-                   on_done: Callable[[RequestResult], None] | None = None,
-                   ) -> tuple[list[RequestResult], float, float]:
+async def run_load(
+    client: Any,
+    base_url: str,
+    payloads: Sequence[dict[str, Any]],
+    concurrency: int,
+    request_rate: float | None,
+    seed: int,
+    headers: dict[str, str] | None = None,
+    on_done: Callable[[RequestResult], None] | None = None,
+) -> tuple[list[RequestResult], float, float]:
     """Closed loop (``request_rate`` None: ``concurrency`` requests always in flight) or open loop
     (Poisson arrivals at ``request_rate``/s, at most ``concurrency`` in flight). Returns the
     results in payload order and the run's (start, end) perf_counter times."""

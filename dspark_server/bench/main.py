@@ -21,8 +21,17 @@ import sys
 from typing import Any
 
 DEFAULT_MODES = ("off", "fixed", "threshold", "dspark")
-SUITES = ("serving", "peers", "oracle", "acceptance", "threshold-sweep", "ece", "concurrency", "paper",
-          "report")
+SUITES = (
+    "serving",
+    "peers",
+    "oracle",
+    "acceptance",
+    "threshold-sweep",
+    "ece",
+    "concurrency",
+    "paper",
+    "report",
+)
 
 log = logging.getLogger(__name__)
 
@@ -35,52 +44,99 @@ def add_bench_args(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("bench")
     g.add_argument("--suite", choices=SUITES, default="serving", help="what to measure (default: serving)")
     where = g.add_mutually_exclusive_group()
-    where.add_argument("--url", action="append", default=None,
-                       help="drive running server(s) (repeat or comma-separate; --modes labels them)")
-    where.add_argument("--self-host", action="store_true",
-                       help="start one `dspark serve` per mode on loopback ports (default without --url)")
-    g.add_argument("--modes", default=None,
-                   help="comma-separated spec modes (default: off,fixed,threshold,dspark; with --url: "
-                        "labels for the servers, default read from their /metrics)")
+    where.add_argument(
+        "--url",
+        action="append",
+        default=None,
+        help="drive running server(s) (repeat or comma-separate; --modes labels them)",
+    )
+    where.add_argument(
+        "--self-host",
+        action="store_true",
+        help="start one `dspark serve` per mode on loopback ports (default without --url)",
+    )
+    g.add_argument(
+        "--modes",
+        default=None,
+        help="comma-separated spec modes (default: off,fixed,threshold,dspark; with --url: "
+        "labels for the servers, default read from their /metrics)",
+    )
     g.add_argument("--concurrency", default="1,4,16,64", help="comma-separated concurrency levels")
-    g.add_argument("--prompts", action="append", default=None,
-                   help='JSONL with {"turns": [...]} per line (repeat or comma-separate for several sets)')
+    g.add_argument(
+        "--prompts",
+        action="append",
+        default=None,
+        help='JSONL with {"turns": [...]} per line (repeat or comma-separate for several sets)',
+    )
     g.add_argument("--limit", type=int, default=None, help="prompts per file")
-    g.add_argument("--num-requests", type=int, default=None,
-                   help="requests per run (default: max(prompts, 2 x concurrency); prompts are cycled)")
+    g.add_argument(
+        "--num-requests",
+        type=int,
+        default=None,
+        help="requests per run (default: max(prompts, 2 x concurrency); prompts are cycled)",
+    )
     g.add_argument("--max-tokens", type=int, default=128)
     g.add_argument("--temperature", type=float, default=0.0)
     g.add_argument("--ignore-eos", action="store_true", help="every request generates --max-tokens")
-    g.add_argument("--request-rate", type=float, default=None,
-                   help="open loop: Poisson arrivals per second (--concurrency caps requests in flight)")
+    g.add_argument(
+        "--request-rate",
+        type=float,
+        default=None,
+        help="open loop: Poisson arrivals per second (--concurrency caps requests in flight)",
+    )
     g.add_argument("--rounds", type=int, default=1, help="interleaved repetitions of the whole sweep")
     g.add_argument("--seed", type=int, default=0)
     g.add_argument("--warmup", type=int, default=2, help="warm-up requests per server (not measured)")
     g.add_argument("--out", default=None, help="output directory (default: runs/bench/SUITE)")
-    g.add_argument("--server-policy", choices=("auto", "all", "restart"), default="auto",
-                   help="self-host: keep every mode's server up (all) or one at a time (restart)")
-    g.add_argument("--server-arg", action="append", default=None,
-                   help="extra flag for the self-hosted `dspark serve` (repeat; e.g. --server-arg=--x)")
+    g.add_argument(
+        "--server-policy",
+        choices=("auto", "all", "restart"),
+        default="auto",
+        help="self-host: keep every mode's server up (all) or one at a time (restart)",
+    )
+    g.add_argument(
+        "--server-arg",
+        action="append",
+        default=None,
+        help="extra flag for the self-hosted `dspark serve` (repeat; e.g. --server-arg=--x)",
+    )
     g.add_argument("--api-key", default=None, help="Bearer key for --url servers")
     g.add_argument("--request-timeout", type=float, default=900.0)
     g.add_argument("--no-plots", action="store_true")
     g.add_argument("--quiet", action="store_true", help="no progress bar")
     g.add_argument("--no-assisted", action="store_true", help="peers: skip assisted generation")
-    g.add_argument("--assistant-layers", type=int, default=1,
-                   help="peers: layers of the assistant truncated from the target")
-    g.add_argument("--record-concurrency", type=int, default=8,
-                   help="oracle / threshold-sweep: requests in flight while recording full-γ rounds")
+    g.add_argument(
+        "--assistant-layers",
+        type=int,
+        default=1,
+        help="peers: layers of the assistant truncated from the target",
+    )
+    g.add_argument(
+        "--record-concurrency",
+        type=int,
+        default=8,
+        help="oracle / threshold-sweep: requests in flight while recording full-γ rounds",
+    )
     g.add_argument("--rounds-file", default=None, help="oracle: replay a recorded rounds.json")
     g.add_argument("--drafts", default=None, help="acceptance: comma-separated drafter directories")
     g.add_argument("--labels", default=None, help="acceptance: comma-separated labels for --drafts")
-    g.add_argument("--parallel-draft", default=None,
-                   help="paper: parallel-only drafter (`dspark train draft --head none`) to compare with")
-    g.add_argument("--gamma-drafts", default=None,
-                   help="paper: two drafters 'G7_DIR,G15_DIR' (the second trained with "
-                        "`dspark train draft --gamma 15`)")
+    g.add_argument(
+        "--parallel-draft",
+        default=None,
+        help="paper: parallel-only drafter (`dspark train draft --head none`) to compare with",
+    )
+    g.add_argument(
+        "--gamma-drafts",
+        default=None,
+        help="paper: two drafters 'G7_DIR,G15_DIR' (the second trained with `dspark train draft --gamma 15`)",
+    )
     g.add_argument("--thresholds", default=None, help="threshold-sweep: comma-separated cut-offs")
-    g.add_argument("--results", action="append", default=None,
-                   help="concurrency / report: result JSON file(s) of earlier runs")
+    g.add_argument(
+        "--results",
+        action="append",
+        default=None,
+        help="concurrency / report: result JSON file(s) of earlier runs",
+    )
     g.add_argument("--title", default="Benchmarks", help="report: page title")
     g.add_argument("--preface", default=None, help="report: markdown prose placed under the title")
 
@@ -112,13 +168,28 @@ def serving_config(a: argparse.Namespace, out: str | None = None) -> Any:
         if bad or not modes:
             raise BenchError(f"--modes must be a comma-separated subset of {SPEC_MODES}, got {a.modes!r}")
     return ServingConfig(
-        prompt_files=tuple(_prompt_files(a)), concurrency=tuple(concurrency), out=out or _out(a, "serving"),
-        modes=tuple(modes), urls=tuple(urls), limit=a.limit, num_requests=a.num_requests,
-        max_tokens=a.max_tokens, temperature=a.temperature, ignore_eos=a.ignore_eos,
-        request_rate=a.request_rate, rounds=a.rounds, seed=a.seed, warmup_requests=a.warmup,
+        prompt_files=tuple(_prompt_files(a)),
+        concurrency=tuple(concurrency),
+        out=out or _out(a, "serving"),
+        modes=tuple(modes),
+        urls=tuple(urls),
+        limit=a.limit,
+        num_requests=a.num_requests,
+        max_tokens=a.max_tokens,
+        temperature=a.temperature,
+        ignore_eos=a.ignore_eos,
+        request_rate=a.request_rate,
+        rounds=a.rounds,
+        seed=a.seed,
+        warmup_requests=a.warmup,
         server_args=tuple(server_args_from_namespace(a, max(concurrency))) if not urls else (),
-        server_policy=a.server_policy, api_key=a.api_key, request_timeout_s=a.request_timeout,
-        progress=not a.quiet, plots=not a.no_plots, command=command_line(getattr(a, "argv", None)))
+        server_policy=a.server_policy,
+        api_key=a.api_key,
+        request_timeout_s=a.request_timeout,
+        progress=not a.quiet,
+        plots=not a.no_plots,
+        command=command_line(getattr(a, "argv", None)),
+    )
 
 
 def run_bench_command(a: argparse.Namespace) -> int:

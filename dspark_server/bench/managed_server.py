@@ -21,6 +21,7 @@ log = logging.getLogger(__name__)
 
 SERVER_START_TIMEOUT_S = 300.0  # a dspark-mode server may profile SPS at start-up (<= 25 s)
 
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -40,12 +41,22 @@ class ManagedServer:
         args = list(server_args)
         if mode == "off":  # the drafter would only be loaded to be ignored
             args = _drop_flag(args, "--draft")
-        cmd = [sys.executable, "-m", "dspark_server.cli", "serve", "--host", "127.0.0.1",
-               "--port", str(self.port), "--spec-mode", mode, *args]
+        cmd = [
+            sys.executable,
+            "-m",
+            "dspark_server.cli",
+            "serve",
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(self.port),
+            "--spec-mode",
+            mode,
+            *args,
+        ]
         self._log.write(f"$ {' '.join(cmd)}\n")
         self._log.flush()
-        self.proc = subprocess.Popen(cmd, stdout=self._log, stderr=subprocess.STDOUT,
-                                     start_new_session=True)
+        self.proc = subprocess.Popen(cmd, stdout=self._log, stderr=subprocess.STDOUT, start_new_session=True)
 
     def log_tail(self, n: int = 40) -> str:
         self._log.flush()
@@ -57,14 +68,18 @@ class ManagedServer:
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
-                raise BenchError(f"`dspark serve --spec-mode {self.mode}` exited with code "
-                                 f"{self.proc.returncode}; log {self.log_path}:\n{self.log_tail()}")
+                raise BenchError(
+                    f"`dspark serve --spec-mode {self.mode}` exited with code "
+                    f"{self.proc.returncode}; log {self.log_path}:\n{self.log_tail()}"
+                )
             with contextlib.suppress(httpx.HTTPError):
                 if httpx.get(f"{self.base_url}/ready", timeout=2.0).status_code == 200:
                     return
             time.sleep(0.2)
-        raise BenchError(f"`dspark serve --spec-mode {self.mode}` not ready after {timeout:.0f} s; "
-                         f"log {self.log_path}:\n{self.log_tail()}")
+        raise BenchError(
+            f"`dspark serve --spec-mode {self.mode}` not ready after {timeout:.0f} s; "
+            f"log {self.log_path}:\n{self.log_tail()}"
+        )
 
     def rss_bytes(self) -> int | None:
         try:

@@ -73,20 +73,29 @@ class RoundLog:
             raise BenchError("this drafter has no confidence head: nothing to plan from")
         raw = record.confidence_logits.float()
         conf = record.confidences  # as the engine planned with them (greedy rows by the greedy STS)
-        for i, (req, ell, acc) in enumerate(zip(record.requests, record.verify_lens, record.accepted,
-                                                strict=True)):
+        for i, (req, ell, acc) in enumerate(
+            zip(record.requests, record.verify_lens, record.accepted, strict=True)
+        ):
             if ell != self.gamma:
                 continue
-            entry = self.requests.setdefault((self.prompt_set, req.request_id), {
-                "prompt_set": self.prompt_set, "request": req.request_id, "confidences": [],
-                "raw_logits": [], "accepted": []})
+            entry = self.requests.setdefault(
+                (self.prompt_set, req.request_id),
+                {
+                    "prompt_set": self.prompt_set,
+                    "request": req.request_id,
+                    "confidences": [],
+                    "raw_logits": [],
+                    "accepted": [],
+                },
+            )
             entry["confidences"].append([round(x, 6) for x in conf[i].tolist()])
             entry["raw_logits"].append([round(x, 5) for x in raw[i].tolist()])
             entry["accepted"].append(int(acc))
 
 
-def record_rounds(a: argparse.Namespace, prompt_files: Sequence[str], concurrency: int,
-                  progress: bool = True) -> tuple[dict[str, Any], Any]:
+def record_rounds(
+    a: argparse.Namespace, prompt_files: Sequence[str], concurrency: int, progress: bool = True
+) -> tuple[dict[str, Any], Any]:
     """Full-γ rounds of every prompt; returns (recording, the engine) — the engine is reused to
     find the SPS table."""
     from dspark_server.cli import _engine_config
@@ -106,20 +115,31 @@ def record_rounds(a: argparse.Namespace, prompt_files: Sequence[str], concurrenc
     sets = load_prompt_sets(prompt_files, a.limit)
     for ps in sets:
         logger.prompt_set = ps.name
-        gen = GenerateConfig(prompts=ps.path, limit=a.limit, max_tokens=a.max_tokens,
-                             temperature=a.temperature, seed=a.seed, concurrency=concurrency,
-                             progress=progress)
+        gen = GenerateConfig(
+            prompts=ps.path,
+            limit=a.limit,
+            max_tokens=a.max_tokens,
+            temperature=a.temperature,
+            seed=a.seed,
+            concurrency=concurrency,
+            progress=progress,
+        )
         for _ in generate(engine, gen):
             pass
     requests = [r for r in logger.requests.values() if r["accepted"]]
     if not requests:
         raise BenchError("no full-γ rounds were recorded; use more prompts or --max-tokens")
     recording = {
-        "kind": "rounds", "gamma": engine.spec.gamma, "model": base.model_dir, "draft": base.draft_dir,
+        "kind": "rounds",
+        "gamma": engine.spec.gamma,
+        "model": base.model_dir,
+        "draft": base.draft_dir,
         "calibration_temperatures": [float(t) for t in engine.spec.calibration.temperatures],
         "greedy_calibration_temperatures": [float(t) for t in engine.spec.greedy_calibration.temperatures],
-        "prompt_sets": {ps.name: ps.path for ps in sets}, "max_tokens": a.max_tokens,
-        "temperature": a.temperature, "requests": requests,
+        "prompt_sets": {ps.name: ps.path for ps in sets},
+        "max_tokens": a.max_tokens,
+        "temperature": a.temperature,
+        "requests": requests,
     }
     return recording, engine
 
@@ -144,10 +164,14 @@ class _Acc:
         self.seconds += 1.0 / sps
 
     def summary(self) -> dict[str, float]:
-        return {"throughput": self.tokens / self.seconds if self.seconds else 0.0,
-                "tokens": self.tokens, "seconds": self.seconds, "steps": self.steps,
-                "mean_verify_len": self.verified / self.rounds if self.rounds else 0.0,
-                "tokens_per_round": self.tokens / self.rounds if self.rounds else 0.0}
+        return {
+            "throughput": self.tokens / self.seconds if self.seconds else 0.0,
+            "tokens": self.tokens,
+            "seconds": self.seconds,
+            "steps": self.steps,
+            "mean_verify_len": self.verified / self.rounds if self.rounds else 0.0,
+            "tokens_per_round": self.tokens / self.rounds if self.rounds else 0.0,
+        }
 
 
 def oracle_options(accepted: np.ndarray, table: SpsCostTable, gamma: int) -> np.ndarray:
@@ -187,15 +211,24 @@ def _solve_oracle(steps: list[tuple[int, np.ndarray]]) -> tuple[float, float, fl
     return float(tokens), float(seconds), float(sum(chosen))
 
 
-def replay(requests: Sequence[dict[str, Any]], table: SpsCostTable, concurrency: int, gamma: int,
-           threshold: float = 0.5, planners: Sequence[str] = ("off", "fixed", "threshold", "dspark"),
-           ) -> dict[str, dict[str, float]]:
+def replay(
+    requests: Sequence[dict[str, Any]],
+    table: SpsCostTable,
+    concurrency: int,
+    gamma: int,
+    threshold: float = 0.5,
+    planners: Sequence[str] = ("off", "fixed", "threshold", "dspark"),
+) -> dict[str, dict[str, float]]:
     """Θ per planner (and the oracle) over the recorded rounds batched ``concurrency`` at a time."""
-    made = {name: make_planner(PlannerConfig(mode=name, gamma=gamma, threshold=threshold), table)
-            for name in planners}
+    made = {
+        name: make_planner(PlannerConfig(mode=name, gamma=gamma, threshold=threshold), table)
+        for name in planners
+    }
     acc = {name: _Acc() for name in planners}
-    rounds = [(np.asarray(r["confidences"], dtype=np.float32), np.asarray(r["accepted"], dtype=np.int64))
-              for r in requests]
+    rounds = [
+        (np.asarray(r["confidences"], dtype=np.float32), np.asarray(r["accepted"], dtype=np.int64))
+        for r in requests
+    ]
     oracle_steps: list[tuple[int, np.ndarray]] = []
     waiting = deque(range(len(rounds)))
     active: list[list[int]] = []  # [request index, next round]
@@ -207,8 +240,12 @@ def replay(requests: Sequence[dict[str, Any]], table: SpsCostTable, concurrency:
         n = len(active)
         for name, planner in made.items():
             lens = planner.plan(torch.from_numpy(conf)).numpy()
-            acc[name].add(float((np.minimum(true, lens) + 1).sum()), float(lens.sum()), n,
-                          table.lookup(n + int(lens.sum())))
+            acc[name].add(
+                float((np.minimum(true, lens) + 1).sum()),
+                float(lens.sum()),
+                n,
+                table.lookup(n + int(lens.sum())),
+            )
         oracle_steps.append((n, oracle_options(true, table, gamma)))
         for slot in active:
             slot[1] += 1
@@ -216,9 +253,14 @@ def replay(requests: Sequence[dict[str, Any]], table: SpsCostTable, concurrency:
     out = {name: a.summary() for name, a in acc.items()}
     tokens, seconds, verified = _solve_oracle(oracle_steps)
     n_rounds = sum(r for r, _ in oracle_steps)
-    out["oracle"] = {"throughput": tokens / seconds, "tokens": tokens, "seconds": seconds,
-                     "steps": len(oracle_steps), "mean_verify_len": verified / n_rounds,
-                     "tokens_per_round": tokens / n_rounds}
+    out["oracle"] = {
+        "throughput": tokens / seconds,
+        "tokens": tokens,
+        "seconds": seconds,
+        "steps": len(oracle_steps),
+        "mean_verify_len": verified / n_rounds,
+        "tokens_per_round": tokens / n_rounds,
+    }
     best = out["oracle"]["throughput"]
     for v in out.values():
         v["ratio_to_oracle"] = v["throughput"] / best if best else float("nan")
@@ -255,23 +297,37 @@ def run_oracle_command(a: argparse.Namespace, prompt_files: list[str], out: str)
     levels = split_ints(a.concurrency)
     replays = []
     for c in levels:
-        replays.append({"concurrency": c, "planners": replay(recording["requests"], table, c,
-                                                             recording["gamma"], a.threshold)})
+        replays.append(
+            {
+                "concurrency": c,
+                "planners": replay(recording["requests"], table, c, recording["gamma"], a.threshold),
+            }
+        )
         if not a.quiet:
             ps = replays[-1]["planners"]
             ratios = ", ".join(f"{k} {v['ratio_to_oracle']:.3f}" for k, v in ps.items())
-            print(f"concurrency {c:>3}: {ratios}",
-                  file=sys.stderr)
+            print(f"concurrency {c:>3}: {ratios}", file=sys.stderr)
     n_rounds = sum(len(r["accepted"]) for r in recording["requests"])
     result = {
-        "kind": "oracle", "machine": machine_info(),
-        "config": {"command": command_line(getattr(a, "argv", None)), "prompt_sets": recording["prompt_sets"],
-                   "model": recording.get("model"), "draft": recording.get("draft"),
-                   "sps_table": table_source, "sps_lookup": lookup, "threshold": a.threshold,
-                   "concurrency": levels,
-                   "rounds_file": a.rounds_file or str(out_dir / "rounds.json")},
-        "recorded": {"requests": len(recording["requests"]), "rounds": n_rounds, "gamma": recording["gamma"],
-                     "mean_accepted": sum(sum(r["accepted"]) for r in recording["requests"]) / n_rounds},
+        "kind": "oracle",
+        "machine": machine_info(),
+        "config": {
+            "command": command_line(getattr(a, "argv", None)),
+            "prompt_sets": recording["prompt_sets"],
+            "model": recording.get("model"),
+            "draft": recording.get("draft"),
+            "sps_table": table_source,
+            "sps_lookup": lookup,
+            "threshold": a.threshold,
+            "concurrency": levels,
+            "rounds_file": a.rounds_file or str(out_dir / "rounds.json"),
+        },
+        "recorded": {
+            "requests": len(recording["requests"]),
+            "rounds": n_rounds,
+            "gamma": recording["gamma"],
+            "mean_accepted": sum(sum(r["accepted"]) for r in recording["requests"]) / n_rounds,
+        },
         "sps_table": table.to_dict(),
         "planners": list(replays[0]["planners"]),
         "replays": replays,
@@ -287,10 +343,20 @@ def _plot(result: dict[str, Any], path: Path) -> None:
     fig, axes = plt.subplots(1, 2, figsize=(10.5, 3.8))
     xs = [r["concurrency"] for r in result["replays"]]
     for name in result["planners"]:
-        axes[0].plot(xs, [r["planners"][name]["ratio_to_oracle"] for r in result["replays"]], marker="o",
-                     label=name, color=MODE_COLORS.get(name))
-        axes[1].plot(xs, [r["planners"][name]["mean_verify_len"] for r in result["replays"]], marker="o",
-                     label=name, color=MODE_COLORS.get(name))
+        axes[0].plot(
+            xs,
+            [r["planners"][name]["ratio_to_oracle"] for r in result["replays"]],
+            marker="o",
+            label=name,
+            color=MODE_COLORS.get(name),
+        )
+        axes[1].plot(
+            xs,
+            [r["planners"][name]["mean_verify_len"] for r in result["replays"]],
+            marker="o",
+            label=name,
+            color=MODE_COLORS.get(name),
+        )
     axes[0].axhline(0.9, color="k", linestyle=":", linewidth=1)
     axes[0].set_ylabel("Θ / Θ(oracle)")
     axes[1].set_ylabel("mean verified drafts per request per step")

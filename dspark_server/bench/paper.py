@@ -61,8 +61,15 @@ def _engine(a: argparse.Namespace, draft: str | None, mode: str, running: int) -
 def _generate_all(engine: Any, a: argparse.Namespace, path: str) -> None:
     from dspark_server.offline import GenerateConfig, generate
 
-    gen = GenerateConfig(prompts=path, limit=a.limit, max_tokens=a.max_tokens, temperature=a.temperature,
-                         seed=a.seed, concurrency=a.record_concurrency, progress=not a.quiet)
+    gen = GenerateConfig(
+        prompts=path,
+        limit=a.limit,
+        max_tokens=a.max_tokens,
+        temperature=a.temperature,
+        seed=a.seed,
+        concurrency=a.record_concurrency,
+        progress=not a.quiet,
+    )
     for _ in generate(engine, gen):
         pass
 
@@ -71,9 +78,14 @@ def _generate_all(engine: Any, a: argparse.Namespace, path: str) -> None:
 # Per-position acceptance of several drafters
 
 
-def run_acceptance_command(a: argparse.Namespace, prompt_files: list[str], out: str,
-                           drafts: list[str] | None = None, labels: list[str] | None = None,
-                           title: str = "Per-position acceptance") -> dict[str, Any]:
+def run_acceptance_command(
+    a: argparse.Namespace,
+    prompt_files: list[str],
+    out: str,
+    drafts: list[str] | None = None,
+    labels: list[str] | None = None,
+    title: str = "Per-position acceptance",
+) -> dict[str, Any]:
     from dspark_server.jobs.acceptance import AcceptanceRecorder
 
     drafts = drafts or split_list(a.drafts) or [a.draft or _default_draft()]
@@ -90,11 +102,21 @@ def run_acceptance_command(a: argparse.Namespace, prompt_files: list[str], out: 
             _generate_all(engine, a, ps.path)
             results[ps.name].append({"label": label, "draft": draft, **recorder.summary()})
         del engine
-    result = {"kind": "acceptance", "title": title, "machine": machine_info(),
-              "config": {"command": command_line(getattr(a, "argv", None)), "drafts": drafts,
-                         "labels": labels, "prompt_sets": {ps.name: ps.path for ps in sets},
-                         "limit": a.limit, "max_tokens": a.max_tokens, "temperature": a.temperature},
-              "results": results}
+    result = {
+        "kind": "acceptance",
+        "title": title,
+        "machine": machine_info(),
+        "config": {
+            "command": command_line(getattr(a, "argv", None)),
+            "drafts": drafts,
+            "labels": labels,
+            "prompt_sets": {ps.name: ps.path for ps in sets},
+            "limit": a.limit,
+            "max_tokens": a.max_tokens,
+            "temperature": a.temperature,
+        },
+        "results": results,
+    }
     write_result(result, Path(out), "acceptance", _plot_acceptance, a.no_plots)
     return result
 
@@ -108,8 +130,12 @@ def _plot_acceptance(result: dict[str, Any], path: Path) -> None:
     for ax, ps in zip(axes[0], sets, strict=True):
         for e in result["results"][ps]:
             ks = list(range(1, e["gamma"] + 1))
-            ax.plot(ks, e["per_position_conditional_acceptance"], marker="o",
-                    label=f"{e['label']} (τ = {e['mean_acceptance_length']:.2f})")
+            ax.plot(
+                ks,
+                e["per_position_conditional_acceptance"],
+                marker="o",
+                label=f"{e['label']} (τ = {e['mean_acceptance_length']:.2f})",
+            )
         ax.xaxis.set_major_locator(MaxNLocator(integer=True))
         ax.set_xlabel("draft position k")
         ax.set_ylabel("P(accept k | accepted k−1)")
@@ -139,9 +165,15 @@ def threshold_rows(requests: list[dict[str, Any]], thresholds: list[float]) -> l
         accepted = np.minimum(lens, true)
         verified = int(lens.sum())
         rate = float(accepted.sum() / verified) if verified else math.nan
-        rows.append({"threshold": t, "acceptance_rate": rate,
-                     "tokens_per_step": float((accepted + 1).mean()), "mean_verify_len": float(lens.mean()),
-                     "rounds": int(lens.size)})
+        rows.append(
+            {
+                "threshold": t,
+                "acceptance_rate": rate,
+                "tokens_per_step": float((accepted + 1).mean()),
+                "mean_verify_len": float(lens.mean()),
+                "rounds": int(lens.size),
+            }
+        )
     return rows
 
 
@@ -161,11 +193,20 @@ def run_threshold_command(a: argparse.Namespace, prompt_files: list[str], out: s
         if not reqs:
             raise BenchError(f"no full-γ rounds recorded on {ps.name}")
         domains[ps.name] = threshold_rows(reqs, thresholds)
-    result = {"kind": "threshold_sweep", "machine": machine_info(),
-              "config": {"command": command_line(getattr(a, "argv", None)), "draft": engine.cfg.draft_dir,
-                         "gamma": engine.spec.gamma, "prompt_sets": {ps.name: ps.path for ps in sets},
-                         "limit": a.limit, "max_tokens": a.max_tokens, "thresholds": thresholds},
-              "domains": domains}
+    result = {
+        "kind": "threshold_sweep",
+        "machine": machine_info(),
+        "config": {
+            "command": command_line(getattr(a, "argv", None)),
+            "draft": engine.cfg.draft_dir,
+            "gamma": engine.spec.gamma,
+            "prompt_sets": {ps.name: ps.path for ps in sets},
+            "limit": a.limit,
+            "max_tokens": a.max_tokens,
+            "thresholds": thresholds,
+        },
+        "domains": domains,
+    }
     write_result(result, Path(out), "threshold_sweep", _plot_thresholds, a.no_plots)
     return result
 
@@ -212,8 +253,10 @@ def find_calibration(a: argparse.Namespace) -> Path:
     for c in candidates:
         if c.is_file():
             return c
-    raise BenchError("no calibration JSON: pass --calibration FILE (written by `dspark calibrate`); "
-                     f"looked in {', '.join(map(str, candidates))}")
+    raise BenchError(
+        "no calibration JSON: pass --calibration FILE (written by `dspark calibrate`); "
+        f"looked in {', '.join(map(str, candidates))}"
+    )
 
 
 def run_ece_command(a: argparse.Namespace, out: str) -> dict[str, Any]:
@@ -224,12 +267,19 @@ def run_ece_command(a: argparse.Namespace, out: str) -> dict[str, Any]:
     raw = json.loads(path.read_text())
     if not raw.get("ece_before") or not raw.get("ece_after"):
         raise BenchError(f"{path} has no ece_before / ece_after (not written by `dspark calibrate`?)")
-    result = {"kind": "ece", "machine": machine_info(), "calibration": str(path),
-              "config": {"command": command_line(getattr(a, "argv", None))},
-              "dataset": raw.get("dataset"), "num_samples": raw.get("num_samples"),
-              "temperatures": raw["temperatures"], "ece_before": raw["ece_before"],
-              "ece_after": raw["ece_after"],
-              "max_ece_after": max(raw["ece_after"]), "goal_max_ece_after": 0.02}
+    result = {
+        "kind": "ece",
+        "machine": machine_info(),
+        "calibration": str(path),
+        "config": {"command": command_line(getattr(a, "argv", None))},
+        "dataset": raw.get("dataset"),
+        "num_samples": raw.get("num_samples"),
+        "temperatures": raw["temperatures"],
+        "ece_before": raw["ece_before"],
+        "ece_after": raw["ece_after"],
+        "max_ece_after": max(raw["ece_after"]),
+        "goal_max_ece_after": 0.02,
+    }
     write_result(result, Path(out), "ece", _plot_ece, a.no_plots)
     return result
 
@@ -266,18 +316,37 @@ def run_concurrency_command(a: argparse.Namespace, out: str) -> dict[str, Any]:
     else:
         serving = run_serving(serving_config(a, out=str(out_dir / "serving")))
         source = str(out_dir / "serving" / "results.json")
-    keys = ("output_tokens_per_s", "mean_verify_budget_per_step", "mean_verified_drafts_per_request_step",
-            "mean_acceptance_length", "speedup_vs_off", "speedup_vs_fixed")
-    series = [{"prompt_set": r["prompt_set"], "mode": r["mode"], "concurrency": r["concurrency"],
-               **{k: r.get(k) for k in keys}} for r in serving["runs"]]
-    result = {"kind": "concurrency", "machine": serving["machine"], "source": source,
-              "config": {"command": serving["config"].get("command")}, "series": series}
+    keys = (
+        "output_tokens_per_s",
+        "mean_verify_budget_per_step",
+        "mean_verified_drafts_per_request_step",
+        "mean_acceptance_length",
+        "speedup_vs_off",
+        "speedup_vs_fixed",
+    )
+    series = [
+        {
+            "prompt_set": r["prompt_set"],
+            "mode": r["mode"],
+            "concurrency": r["concurrency"],
+            **{k: r.get(k) for k in keys},
+        }
+        for r in serving["runs"]
+    ]
+    result = {
+        "kind": "concurrency",
+        "machine": serving["machine"],
+        "source": source,
+        "config": {"command": serving["config"].get("command")},
+        "series": series,
+    }
     out_dir.mkdir(parents=True, exist_ok=True)
     write_json(out_dir / "concurrency.json", result)
     from dspark_server.bench.report import serving_markdown
 
-    (out_dir / "concurrency.md").write_text(serving_markdown(serving, title="TPS and verification budget "
-                                                             "vs concurrency"))
+    (out_dir / "concurrency.md").write_text(
+        serving_markdown(serving, title="TPS and verification budget vs concurrency")
+    )
     if not a.no_plots:
         _plot_concurrency(serving, out_dir / "concurrency.png")
     print(f"wrote {out_dir / 'concurrency.png'}", file=sys.stderr)
@@ -295,15 +364,29 @@ def _plot_concurrency(serving: dict[str, Any], path: Path) -> None:
     fig, axes = plt.subplots(1, 2, figsize=(10.5, 3.8))
     for j, ps in enumerate(sets):
         for mode in modes:
-            rows = sorted((r for r in runs if r["prompt_set"] == ps and r["mode"] == mode),
-                          key=lambda r: r["concurrency"])
+            rows = sorted(
+                (r for r in runs if r["prompt_set"] == ps and r["mode"] == mode),
+                key=lambda r: r["concurrency"],
+            )
             xs = [r["concurrency"] for r in rows]
             label = mode if len(sets) == 1 else f"{mode} ({ps})"
-            axes[0].plot(xs, [r["output_tokens_per_s"] for r in rows], marker="o", linestyle=styles[j % 4],
-                         color=MODE_COLORS.get(mode), label=label)
+            axes[0].plot(
+                xs,
+                [r["output_tokens_per_s"] for r in rows],
+                marker="o",
+                linestyle=styles[j % 4],
+                color=MODE_COLORS.get(mode),
+                label=label,
+            )
             if mode != "off":
-                axes[1].plot(xs, [r["mean_verify_budget_per_step"] for r in rows], marker="o",
-                             linestyle=styles[j % 4], color=MODE_COLORS.get(mode), label=label)
+                axes[1].plot(
+                    xs,
+                    [r["mean_verify_budget_per_step"] for r in rows],
+                    marker="o",
+                    linestyle=styles[j % 4],
+                    color=MODE_COLORS.get(mode),
+                    label=label,
+                )
     axes[0].set_ylabel("output tokens/s")
     axes[1].set_ylabel("verification budget per step (Σℓ)")
     for ax in axes:
@@ -339,27 +422,48 @@ def run_paper_suite(a: argparse.Namespace, out: str) -> dict[str, Any]:
             skipped[name] = str(exc)
             print(f"   skipped: {exc}", file=sys.stderr)
 
-    parallel = a.parallel_draft or (str(DEMO_DIR / "draft_none") if (DEMO_DIR / "draft_none" / "config.json")
-                                    .is_file() else None)
+    parallel = a.parallel_draft or (
+        str(DEMO_DIR / "draft_none") if (DEMO_DIR / "draft_none" / "config.json").is_file() else None
+    )
     if main_draft and prompt_files:
         if parallel:
-            attempt("acceptance", lambda: run_acceptance_command(
-                a, prompt_files, str(out_dir / "acceptance"), [main_draft, parallel],
-                ["dspark", "parallel-only"],
-                "Per-position acceptance: DSpark vs parallel-only drafter"))
+            attempt(
+                "acceptance",
+                lambda: run_acceptance_command(
+                    a,
+                    prompt_files,
+                    str(out_dir / "acceptance"),
+                    [main_draft, parallel],
+                    ["dspark", "parallel-only"],
+                    "Per-position acceptance: DSpark vs parallel-only drafter",
+                ),
+            )
         else:
-            skipped["acceptance"] = ("no parallel-only drafter: pass --parallel-draft DIR (train one with "
-                                     "`dspark train draft --head none --out DIR`)")
+            skipped["acceptance"] = (
+                "no parallel-only drafter: pass --parallel-draft DIR (train one with "
+                "`dspark train draft --head none --out DIR`)"
+            )
         gamma_drafts = split_list(a.gamma_drafts)
         if len(gamma_drafts) == 2:
-            attempt("gamma", lambda: run_acceptance_command(
-                a, prompt_files, str(out_dir / "gamma"), gamma_drafts, ["γ=7", "γ=15"], "γ = 7 vs γ = 15"))
+            attempt(
+                "gamma",
+                lambda: run_acceptance_command(
+                    a, prompt_files, str(out_dir / "gamma"), gamma_drafts, ["γ=7", "γ=15"], "γ = 7 vs γ = 15"
+                ),
+            )
         else:
-            skipped["gamma"] = ("pass --gamma-drafts G7_DIR,G15_DIR (train the second with "
-                                "`dspark train draft --gamma 15 --out G15_DIR`)")
-        attempt("threshold_sweep", lambda: run_threshold_command(
-            argparse.Namespace(**{**vars(a), "draft": main_draft}), prompt_files,
-            str(out_dir / "threshold_sweep")))
+            skipped["gamma"] = (
+                "pass --gamma-drafts G7_DIR,G15_DIR (train the second with "
+                "`dspark train draft --gamma 15 --out G15_DIR`)"
+            )
+        attempt(
+            "threshold_sweep",
+            lambda: run_threshold_command(
+                argparse.Namespace(**{**vars(a), "draft": main_draft}),
+                prompt_files,
+                str(out_dir / "threshold_sweep"),
+            ),
+        )
     elif not prompt_files:
         skipped["acceptance, gamma, threshold_sweep"] = "no --prompts given"
     attempt("ece", lambda: run_ece_command(a, str(out_dir / "ece")))
@@ -367,8 +471,13 @@ def run_paper_suite(a: argparse.Namespace, out: str) -> dict[str, Any]:
         attempt("concurrency", lambda: run_concurrency_command(a, str(out_dir / "concurrency")))
     else:
         skipped["concurrency"] = "pass --results SERVING/results.json or --prompts (runs a serving sweep)"
-    index = {"kind": "paper_index", "machine": machine_info(),
-             "command": command_line(getattr(a, "argv", None)), "figures": done, "skipped": skipped}
+    index = {
+        "kind": "paper_index",
+        "machine": machine_info(),
+        "command": command_line(getattr(a, "argv", None)),
+        "figures": done,
+        "skipped": skipped,
+    }
     write_json(out_dir / "index.json", index)
     for k, v in skipped.items():
         print(f"skipped {k}: {v}", file=sys.stderr)

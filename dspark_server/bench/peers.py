@@ -61,8 +61,15 @@ def _truncated_assistant(model_dir: str, layers: int) -> Any:
 
 
 class HFSystem:
-    def __init__(self, name: str, description: str, model: Any, max_tokens: int, ignore_eos: bool,
-                 **generate_kwargs: Any) -> None:
+    def __init__(
+        self,
+        name: str,
+        description: str,
+        model: Any,
+        max_tokens: int,
+        ignore_eos: bool,
+        **generate_kwargs: Any,
+    ) -> None:
         self.name, self.description = name, description
         self.model = model
         self.kwargs = dict(max_new_tokens=max_tokens, do_sample=False, **generate_kwargs)
@@ -78,7 +85,7 @@ class HFSystem:
         t0 = time.perf_counter()
         out = self.model.generate(x, attention_mask=torch.ones_like(x), **self.kwargs)
         seconds = time.perf_counter() - t0
-        return out[0, len(ids):].tolist(), seconds
+        return out[0, len(ids) :].tolist(), seconds
 
 
 class OurSystem:
@@ -125,8 +132,12 @@ def run_peers_command(a: argparse.Namespace, prompt_files: list[str], out: str) 
     for mode in modes:
         if mode != "off" and base.draft_dir is None:
             raise BenchError(f"mode {mode} needs a drafter (--draft DIR)")
-        cfg = replace(base, spec=replace(base.spec, mode=mode),
-                      draft_dir=base.draft_dir if mode != "off" else None, max_running=4)
+        cfg = replace(
+            base,
+            spec=replace(base.spec, mode=mode),
+            draft_dir=base.draft_dir if mode != "off" else None,
+            max_running=4,
+        )
         engine = LLMEngine(cfg)
         systems.append(OurSystem(mode, engine, a.max_tokens, a.ignore_eos))
     assert engine is not None
@@ -137,32 +148,57 @@ def run_peers_command(a: argparse.Namespace, prompt_files: list[str], out: str) 
     transformers.logging.set_verbosity_error()
     transformers.utils.logging.disable_progress_bar()
     target = AutoModelForCausalLM.from_pretrained(base.model_dir, dtype=torch.float32).eval()
-    hf = [HFSystem("hf_generate", "transformers generate(), greedy, KV cache", target, a.max_tokens,
-                   a.ignore_eos)]
+    hf = [
+        HFSystem(
+            "hf_generate", "transformers generate(), greedy, KV cache", target, a.max_tokens, a.ignore_eos
+        )
+    ]
     notes = []
     if not a.no_assisted:
         try:
             assistant = _truncated_assistant(base.model_dir, a.assistant_layers)
-            hf.append(HFSystem("hf_assisted", f"transformers assisted generation, assistant = target "
-                               f"truncated to {a.assistant_layers} layer(s)", target, a.max_tokens,
-                               a.ignore_eos, assistant_model=assistant))
+            hf.append(
+                HFSystem(
+                    "hf_assisted",
+                    f"transformers assisted generation, assistant = target "
+                    f"truncated to {a.assistant_layers} layer(s)",
+                    target,
+                    a.max_tokens,
+                    a.ignore_eos,
+                    assistant_model=assistant,
+                )
+            )
         except (BenchError, ValueError, OSError) as exc:
             notes.append(f"no assisted generation: {exc}")
-    hf.append(HFSystem("hf_prompt_lookup", "transformers prompt-lookup decoding (10-token n-gram drafts)",
-                       target, a.max_tokens, a.ignore_eos, prompt_lookup_num_tokens=10))
+    hf.append(
+        HFSystem(
+            "hf_prompt_lookup",
+            "transformers prompt-lookup decoding (10-token n-gram drafts)",
+            target,
+            a.max_tokens,
+            a.ignore_eos,
+            prompt_lookup_num_tokens=10,
+        )
+    )
     systems = hf + systems
-    prompts = [(ps.name, tokenizer.encode_chat([{"role": "user", "content": p}]))
-               for ps in sets for p in ps.prompts]
+    prompts = [
+        (ps.name, tokenizer.encode_chat([{"role": "user", "content": p}])) for ps in sets for p in ps.prompts
+    ]
     for s in systems:  # warm-up: first-call allocations, lazy inits
         s.run(prompts[0][1][:32])
     totals = {s.name: {"tokens": 0, "seconds": 0.0} for s in systems}
     outputs: dict[str, list[list[int]]] = {s.name: [] for s in systems}
     from tqdm import tqdm
 
-    with tqdm(total=a.rounds * len(prompts) * len(systems), desc="peers", unit="gen",
-              disable=a.quiet, file=sys.stderr) as bar:
+    with tqdm(
+        total=a.rounds * len(prompts) * len(systems),
+        desc="peers",
+        unit="gen",
+        disable=a.quiet,
+        file=sys.stderr,
+    ) as bar:
         for rnd in range(a.rounds):
-            order = systems[rnd % len(systems):] + systems[: rnd % len(systems)]
+            order = systems[rnd % len(systems) :] + systems[: rnd % len(systems)]
             for _, ids in prompts:
                 for s in order:
                     toks, secs = s.run(ids)
@@ -174,24 +210,51 @@ def run_peers_command(a: argparse.Namespace, prompt_files: list[str], out: str) 
     rows = []
     for s in systems:
         t = totals[s.name]
-        rows.append({"system": s.name, "description": s.description, "tokens": t["tokens"],
-                     "seconds": t["seconds"], "tokens_per_s": t["tokens"] / t["seconds"]})
+        rows.append(
+            {
+                "system": s.name,
+                "description": s.description,
+                "tokens": t["tokens"],
+                "seconds": t["seconds"],
+                "tokens_per_s": t["tokens"] / t["seconds"],
+            }
+        )
     tps = {r["system"]: r["tokens_per_s"] for r in rows}
-    ratios = {f"{o.name} / {h.name}": tps[o.name] / tps[h.name]
-              for o in systems if isinstance(o, OurSystem) for h in hf}
+    ratios = {
+        f"{o.name} / {h.name}": tps[o.name] / tps[h.name]
+        for o in systems
+        if isinstance(o, OurSystem)
+        for h in hf
+    }
     ref = outputs["hf_generate"]
-    agreement = {s.name: sum(x == y for x, y in zip(outputs[s.name], ref, strict=True)) / len(ref)
-                 for s in systems if s.name != "hf_generate"}
-    notes.append("share of prompts whose greedy output equals hf_generate's token for token: "
-                 + ", ".join(f"{k} {v:.0%}" for k, v in agreement.items())
-                 + " (float32 rounding can flip near-ties; speculation itself is lossless)")
+    agreement = {
+        s.name: sum(x == y for x, y in zip(outputs[s.name], ref, strict=True)) / len(ref)
+        for s in systems
+        if s.name != "hf_generate"
+    }
+    notes.append(
+        "share of prompts whose greedy output equals hf_generate's token for token: "
+        + ", ".join(f"{k} {v:.0%}" for k, v in agreement.items())
+        + " (float32 rounding can flip near-ties; speculation itself is lossless)"
+    )
     result = {
-        "kind": "peers", "machine": machine_info(),
-        "config": {"command": command_line(getattr(a, "argv", None)), "model": base.model_dir,
-                   "draft": base.draft_dir, "prompt_sets": {ps.name: ps.path for ps in sets},
-                   "num_prompts": len(prompts), "max_tokens": a.max_tokens, "rounds": a.rounds,
-                   "ignore_eos": a.ignore_eos, "assistant_layers": a.assistant_layers},
-        "systems": rows, "ratios": ratios, "output_agreement_with_hf_generate": agreement, "notes": notes,
+        "kind": "peers",
+        "machine": machine_info(),
+        "config": {
+            "command": command_line(getattr(a, "argv", None)),
+            "model": base.model_dir,
+            "draft": base.draft_dir,
+            "prompt_sets": {ps.name: ps.path for ps in sets},
+            "num_prompts": len(prompts),
+            "max_tokens": a.max_tokens,
+            "rounds": a.rounds,
+            "ignore_eos": a.ignore_eos,
+            "assistant_layers": a.assistant_layers,
+        },
+        "systems": rows,
+        "ratios": ratios,
+        "output_agreement_with_hf_generate": agreement,
+        "notes": notes,
     }
     write_result(result, Path(out), "peers", _plot, a.no_plots)
     return result

@@ -24,8 +24,14 @@ from dspark_server.bench.report_engine import (
 )
 
 MODE_ORDER = ("off", "fixed", "threshold", "dspark", "dspark_budget")
-MODE_COLORS = {"off": "tab:gray", "fixed": "tab:blue", "threshold": "tab:orange", "dspark": "tab:red",
-               "dspark_budget": "tab:purple", "oracle": "black"}
+MODE_COLORS = {
+    "off": "tab:gray",
+    "fixed": "tab:blue",
+    "threshold": "tab:orange",
+    "dspark": "tab:red",
+    "dspark_budget": "tab:purple",
+    "oracle": "black",
+}
 
 
 def _mode_key(mode: str) -> tuple[int, str]:
@@ -41,9 +47,12 @@ def serving_goals(result: dict[str, Any]) -> list[str]:
     lines = []
     runs = result["runs"]
     for ps in dict.fromkeys(r["prompt_set"] for r in runs):
+
         def row(mode: str, c: int, ps: str = ps) -> dict[str, Any] | None:
-            return next((r for r in runs if r["prompt_set"] == ps and r["mode"] == mode
-                         and r["concurrency"] == c), None)
+            return next(
+                (r for r in runs if r["prompt_set"] == ps and r["mode"] == mode and r["concurrency"] == c),
+                None,
+            )
 
         levels = sorted({r["concurrency"] for r in runs if r["prompt_set"] == ps})
         checks = [(1, "off", 2.0), (64, "off", 1.1), (64, "fixed", 1.15)]
@@ -51,44 +60,91 @@ def serving_goals(result: dict[str, Any]) -> list[str]:
             ours, ref = row("dspark", c), row(base, c)
             if ours and ref and ref["output_tokens_per_s"]:
                 ratio = ours["output_tokens_per_s"] / ref["output_tokens_per_s"]
-                lines.append(f"{ps}: dspark / {base} at concurrency {c} = {ratio:.2f}× (goal ≥ {goal}×: "
-                             f"{'met' if ratio >= goal else 'missed'})")
+                lines.append(
+                    f"{ps}: dspark / {base} at concurrency {c} = {ratio:.2f}× (goal ≥ {goal}×: "
+                    f"{'met' if ratio >= goal else 'missed'})"
+                )
         spec = [row("dspark", c) for c in levels]
         vals = [r["mean_verified_drafts_per_request_step"] for r in spec if r]
         if len(vals) >= 2:
             shrinking = all(b <= a + 1e-9 for a, b in zip(vals, vals[1:], strict=False))
-            lines.append(f"{ps}: dspark verified drafts per request per step "
-                         f"{' → '.join(f'{v:.2f}' for v in vals)} over concurrency "
-                         f"{', '.join(map(str, levels))} ({'shrinking' if shrinking else 'not monotone'})")
+            lines.append(
+                f"{ps}: dspark verified drafts per request per step "
+                f"{' → '.join(f'{v:.2f}' for v in vals)} over concurrency "
+                f"{', '.join(map(str, levels))} ({'shrinking' if shrinking else 'not monotone'})"
+            )
     return lines
 
 
 def serving_markdown(result: dict[str, Any], title: str = "Serving sweep") -> str:
     cfg = result["config"]
-    out = [f"## {title}", "", machine_line(result["machine"]), "",
-           f"Command: `{cfg.get('command') or 'dspark bench'}`", "",
-           f"{cfg['max_tokens']} max output tokens, temperature {cfg['temperature']}, "
-           + (f"Poisson arrivals at {cfg['request_rate']} req/s, " if cfg.get("request_rate")
-              else "closed loop, ")
-           + f"{cfg['rounds']} interleaved round(s), median output tokens/s over rounds; "
-           "τ = tokens emitted per speculative round (mean acceptance length, bonus included); "
-           "verified = draft tokens verified per request per step; budget = Σℓ per step.", ""]
-    header = ["mode", "conc.", "output tok/s", "× off", "× fixed", "req/s", "τ", "verified / req / step",
-              "budget / step", "TTFT p50 (s)", "TPOT p50 (ms)", "ITL p50 (ms)", "e2e p50 (s)",
-              "e2e p99 (s)", "errors"]
+    out = [
+        f"## {title}",
+        "",
+        machine_line(result["machine"]),
+        "",
+        f"Command: `{cfg.get('command') or 'dspark bench'}`",
+        "",
+        f"{cfg['max_tokens']} max output tokens, temperature {cfg['temperature']}, "
+        + (
+            f"Poisson arrivals at {cfg['request_rate']} req/s, "
+            if cfg.get("request_rate")
+            else "closed loop, "
+        )
+        + f"{cfg['rounds']} interleaved round(s), median output tokens/s over rounds; "
+        "τ = tokens emitted per speculative round (mean acceptance length, bonus included); "
+        "verified = draft tokens verified per request per step; budget = Σℓ per step.",
+        "",
+    ]
+    header = [
+        "mode",
+        "conc.",
+        "output tok/s",
+        "× off",
+        "× fixed",
+        "req/s",
+        "τ",
+        "verified / req / step",
+        "budget / step",
+        "TTFT p50 (s)",
+        "TPOT p50 (ms)",
+        "ITL p50 (ms)",
+        "e2e p50 (s)",
+        "e2e p99 (s)",
+        "errors",
+    ]
     for ps in dict.fromkeys(r["prompt_set"] for r in result["runs"]):
-        rows = sorted((r for r in result["runs"] if r["prompt_set"] == ps),
-                      key=lambda r: (r["concurrency"], _mode_key(r["mode"])))
+        rows = sorted(
+            (r for r in result["runs"] if r["prompt_set"] == ps),
+            key=lambda r: (r["concurrency"], _mode_key(r["mode"])),
+        )
         n = cfg.get("prompts_per_set", {}).get(ps)
         out += [f"### {ps}" + (f" ({n} prompts)" if n else ""), ""]
-        out.append(table(header, [[
-            r["mode"], str(r["concurrency"]), fmt(r["output_tokens_per_s"], 1),
-            fmt(r.get("speedup_vs_off")), fmt(r.get("speedup_vs_fixed")), fmt(r["requests_per_s"], 3),
-            fmt(r["mean_acceptance_length"]), fmt(r["mean_verified_drafts_per_request_step"]),
-            fmt(r["mean_verify_budget_per_step"], 1), fmt(r["ttft_p50_s"], 3),
-            fmt(r["tpot_p50_s"], 1, 1e3),
-            fmt(r["itl_p50_s"], 1, 1e3), fmt(r["e2e_p50_s"], 2), fmt(r["e2e_p99_s"], 2), str(r["errors"]),
-        ] for r in rows]))
+        out.append(
+            table(
+                header,
+                [
+                    [
+                        r["mode"],
+                        str(r["concurrency"]),
+                        fmt(r["output_tokens_per_s"], 1),
+                        fmt(r.get("speedup_vs_off")),
+                        fmt(r.get("speedup_vs_fixed")),
+                        fmt(r["requests_per_s"], 3),
+                        fmt(r["mean_acceptance_length"]),
+                        fmt(r["mean_verified_drafts_per_request_step"]),
+                        fmt(r["mean_verify_budget_per_step"], 1),
+                        fmt(r["ttft_p50_s"], 3),
+                        fmt(r["tpot_p50_s"], 1, 1e3),
+                        fmt(r["itl_p50_s"], 1, 1e3),
+                        fmt(r["e2e_p50_s"], 2),
+                        fmt(r["e2e_p99_s"], 2),
+                        str(r["errors"]),
+                    ]
+                    for r in rows
+                ],
+            )
+        )
         out.append("")
     goals = serving_goals(result)
     if goals:
@@ -105,8 +161,9 @@ def plot_serving(result: dict[str, Any], out_dir: Path) -> list[Path]:
     paths = []
 
     def series(ps: str, mode: str, key: str) -> tuple[list[int], list[float]]:
-        rows = sorted((r for r in runs if r["prompt_set"] == ps and r["mode"] == mode),
-                      key=lambda r: r["concurrency"])
+        rows = sorted(
+            (r for r in runs if r["prompt_set"] == ps and r["mode"] == mode), key=lambda r: r["concurrency"]
+        )
         return [r["concurrency"] for r in rows], [r[key] if r[key] is not None else math.nan for r in rows]
 
     # TPS vs concurrency, one panel per prompt set.
@@ -127,13 +184,21 @@ def plot_serving(result: dict[str, Any], out_dir: Path) -> list[Path]:
             continue
         for j, ps in enumerate(sets):
             label = mode if len(sets) == 1 else f"{mode} ({ps})"
-            for ax, key in zip(axes, ("mean_verified_drafts_per_request_step", "mean_verify_budget_per_step"),
-                               strict=True):
+            for ax, key in zip(
+                axes, ("mean_verified_drafts_per_request_step", "mean_verify_budget_per_step"), strict=True
+            ):
                 xs, ys = series(ps, mode, key)
-                ax.plot(xs, ys, marker="o", linestyle=styles[j % len(styles)], label=label,
-                        color=MODE_COLORS.get(mode))
-    for ax, ylabel in zip(axes, ("verified drafts per request per step", "verification budget per step (Σℓ)"),
-                          strict=True):
+                ax.plot(
+                    xs,
+                    ys,
+                    marker="o",
+                    linestyle=styles[j % len(styles)],
+                    label=label,
+                    color=MODE_COLORS.get(mode),
+                )
+    for ax, ylabel in zip(
+        axes, ("verified drafts per request per step", "verification budget per step (Σℓ)"), strict=True
+    ):
         concurrency_axis(ax, 7)
         ax.set_ylabel(ylabel)
     paths.append(save_figure(fig, out_dir / "verified_drafts_vs_concurrency.png"))
@@ -145,8 +210,14 @@ def plot_serving(result: dict[str, Any], out_dir: Path) -> list[Path]:
             label = mode if len(sets) == 1 else f"{mode} ({ps})"
             for ax, key in zip(axes, ("tpot_p50_s", "ttft_p50_s"), strict=True):
                 xs, ys = series(ps, mode, key)
-                ax.plot(xs, [y * 1e3 for y in ys], marker="o", linestyle=styles[j % len(styles)],
-                        label=label, color=MODE_COLORS.get(mode))
+                ax.plot(
+                    xs,
+                    [y * 1e3 for y in ys],
+                    marker="o",
+                    linestyle=styles[j % len(styles)],
+                    label=label,
+                    color=MODE_COLORS.get(mode),
+                )
     for ax, ylabel in zip(axes, ("TPOT p50 (ms)", "TTFT p50 (ms)"), strict=True):
         concurrency_axis(ax, 7)
         ax.set_yscale("log")
@@ -160,10 +231,20 @@ def plot_serving(result: dict[str, Any], out_dir: Path) -> list[Path]:
         fig, ax = plt.subplots(figsize=(1.6 + 1.4 * len(sets) * max(1, len(spec_modes)) / 2, 3.6))
         width = 0.8 / max(1, len(spec_modes))
         for k, mode in enumerate(spec_modes):
-            ys = [next((r["mean_acceptance_length"] for r in runs if r["prompt_set"] == ps
-                        and r["mode"] == mode and r["concurrency"] == c0), math.nan) for ps in sets]
-            ax.bar([i + k * width for i in range(len(sets))], ys, width, label=mode,
-                   color=MODE_COLORS.get(mode))
+            ys = [
+                next(
+                    (
+                        r["mean_acceptance_length"]
+                        for r in runs
+                        if r["prompt_set"] == ps and r["mode"] == mode and r["concurrency"] == c0
+                    ),
+                    math.nan,
+                )
+                for ps in sets
+            ]
+            ax.bar(
+                [i + k * width for i in range(len(sets))], ys, width, label=mode, color=MODE_COLORS.get(mode)
+            )
         ax.set_xticks([i + width * (len(spec_modes) - 1) / 2 for i in range(len(sets))], sets)
         ax.set_ylabel(f"τ (tokens per round), concurrency {c0}")
         ax.grid(alpha=0.3, axis="y")
@@ -177,13 +258,22 @@ def plot_serving(result: dict[str, Any], out_dir: Path) -> list[Path]:
 
 
 def peers_markdown(result: dict[str, Any]) -> str:
-    out = ["## Peer comparison (concurrency 1)", "", machine_line(result["machine"]), "",
-           f"Command: `{result['config'].get('command', '')}`", "",
-           f"{result['config']['num_prompts']} prompts × {result['config']['rounds']} round(s), "
-           f"{result['config']['max_tokens']} max new tokens, greedy; each system runs every prompt in turn "
-           "(interleaved), tokens counted from token ids.", ""]
-    rows = [[s["system"], s["description"], fmt(s["tokens_per_s"], 1), str(s["tokens"]),
-             fmt(s["seconds"], 1)] for s in result["systems"]]
+    out = [
+        "## Peer comparison (concurrency 1)",
+        "",
+        machine_line(result["machine"]),
+        "",
+        f"Command: `{result['config'].get('command', '')}`",
+        "",
+        f"{result['config']['num_prompts']} prompts × {result['config']['rounds']} round(s), "
+        f"{result['config']['max_tokens']} max new tokens, greedy; each system runs every prompt in turn "
+        "(interleaved), tokens counted from token ids.",
+        "",
+    ]
+    rows = [
+        [s["system"], s["description"], fmt(s["tokens_per_s"], 1), str(s["tokens"]), fmt(s["seconds"], 1)]
+        for s in result["systems"]
+    ]
     out.append(table(["system", "what", "tokens/s", "tokens", "seconds"], rows))
     out.append("")
     if result.get("ratios"):
@@ -197,21 +287,35 @@ def peers_markdown(result: dict[str, Any]) -> str:
 
 def oracle_markdown(result: dict[str, Any]) -> str:
     cfg = result["config"]
-    out = ["## Oracle replay", "", machine_line(result["machine"]), "",
-           f"Command: `{cfg.get('command', '')}`", "",
-           f"{result['recorded']['requests']} requests, {result['recorded']['rounds']} full-γ rounds "
-           f"(γ = {result['recorded']['gamma']}) recorded on {', '.join(cfg['prompt_sets'])}; replayed "
-           "through each planner with the same SPS table; Θ = realised tokens per second under the SPS "
-           "cost model; ratio = Θ / Θ(oracle).", ""]
+    out = [
+        "## Oracle replay",
+        "",
+        machine_line(result["machine"]),
+        "",
+        f"Command: `{cfg.get('command', '')}`",
+        "",
+        f"{result['recorded']['requests']} requests, {result['recorded']['rounds']} full-γ rounds "
+        f"(γ = {result['recorded']['gamma']}) recorded on {', '.join(cfg['prompt_sets'])}; replayed "
+        "through each planner with the same SPS table; Θ = realised tokens per second under the SPS "
+        "cost model; ratio = Θ / Θ(oracle).",
+        "",
+    ]
     planners = [p for p in result["planners"] if p != "oracle"]
-    header = ["concurrency"] + [f"{p} Θ/oracle" for p in planners] + ["oracle Θ (tok/s)"] + \
-             [f"{p} ℓ̄" for p in planners + ["oracle"]]
+    header = (
+        ["concurrency"]
+        + [f"{p} Θ/oracle" for p in planners]
+        + ["oracle Θ (tok/s)"]
+        + [f"{p} ℓ̄" for p in planners + ["oracle"]]
+    )
     rows = []
     for rep in result["replays"]:
         ps = rep["planners"]
-        rows.append([str(rep["concurrency"])] + [fmt(ps[p]["ratio_to_oracle"], 3) for p in planners]
-                    + [fmt(ps["oracle"]["throughput"], 1)]
-                    + [fmt(ps[p]["mean_verify_len"]) for p in planners + ["oracle"]])
+        rows.append(
+            [str(rep["concurrency"])]
+            + [fmt(ps[p]["ratio_to_oracle"], 3) for p in planners]
+            + [fmt(ps["oracle"]["throughput"], 1)]
+            + [fmt(ps[p]["mean_verify_len"]) for p in planners + ["oracle"]]
+        )
     out.append(table(header, rows))
     out.append("")
     return "\n".join(out)
@@ -239,62 +343,124 @@ def acceptance_summary(result: dict[str, Any]) -> list[str]:
 
 def acceptance_markdown(result: dict[str, Any]) -> str:
     cfg = result["config"]
-    heading = (f"{result.get('title', 'Per-position acceptance')}: {' vs '.join(cfg.get('labels', []))}, "
-               f"temperature {cfg.get('temperature', 0.0)}")
-    out = [f"## {heading}", "", machine_line(result["machine"]), "",
-           f"Command: `{cfg.get('command', '')}`", "",
-           f"Temperature {cfg.get('temperature', 0.0)}, first {cfg.get('limit')} prompts per file, "
-           f"{cfg.get('max_tokens')} new tokens, every round verifies all γ drafts.", ""]
+    heading = (
+        f"{result.get('title', 'Per-position acceptance')}: {' vs '.join(cfg.get('labels', []))}, "
+        f"temperature {cfg.get('temperature', 0.0)}"
+    )
+    out = [
+        f"## {heading}",
+        "",
+        machine_line(result["machine"]),
+        "",
+        f"Command: `{cfg.get('command', '')}`",
+        "",
+        f"Temperature {cfg.get('temperature', 0.0)}, first {cfg.get('limit')} prompts per file, "
+        f"{cfg.get('max_tokens')} new tokens, every round verifies all γ drafts.",
+        "",
+    ]
     out += acceptance_summary(result)
     for ps, entries in result["results"].items():
         gamma = max(e["gamma"] for e in entries)
         out += [f"### {ps}", ""]
         header = ["drafter", "γ", "τ", "rounds"] + [f"p{k}" for k in range(1, gamma + 1)]
-        rows = [[e["label"], str(e["gamma"]), fmt(e["mean_acceptance_length"]), str(e["rounds"])]
-                + [fmt(x) for x in e["per_position_conditional_acceptance"]]
-                + ["" for _ in range(gamma - e["gamma"])] for e in entries]
+        rows = [
+            [e["label"], str(e["gamma"]), fmt(e["mean_acceptance_length"]), str(e["rounds"])]
+            + [fmt(x) for x in e["per_position_conditional_acceptance"]]
+            + ["" for _ in range(gamma - e["gamma"])]
+            for e in entries
+        ]
         out += [table(header, rows), ""]
-    out.append("p_k = P(draft k accepted | drafts 1..k−1 accepted), full-γ verification; τ = tokens "
-               "per round, bonus included.")
+    out.append(
+        "p_k = P(draft k accepted | drafts 1..k−1 accepted), full-γ verification; τ = tokens "
+        "per round, bonus included."
+    )
     return "\n".join(out) + "\n"
 
 
 def threshold_markdown(result: dict[str, Any]) -> str:
-    out = ["## Fixed-threshold sweep", "", machine_line(result["machine"]), "",
-           f"Command: `{result['config'].get('command', '')}`", "",
-           "Replayed on recorded full-γ rounds: ℓ = largest j with calibrated prefix survival ≥ t; "
-           "acceptance rate = accepted / verified drafts; tokens per step = emitted tokens per request "
-           "per step (accepted + 1).", ""]
+    out = [
+        "## Fixed-threshold sweep",
+        "",
+        machine_line(result["machine"]),
+        "",
+        f"Command: `{result['config'].get('command', '')}`",
+        "",
+        "Replayed on recorded full-γ rounds: ℓ = largest j with calibrated prefix survival ≥ t; "
+        "acceptance rate = accepted / verified drafts; tokens per step = emitted tokens per request "
+        "per step (accepted + 1).",
+        "",
+    ]
     for ps, rows in result["domains"].items():
         out += [f"### {ps}", ""]
-        out += [table(["threshold", "acceptance rate", "tokens / step", "mean ℓ"],
-                       [[fmt(r["threshold"]), fmt(r["acceptance_rate"], 3), fmt(r["tokens_per_step"], 3),
-                         fmt(r["mean_verify_len"])] for r in rows]), ""]
+        out += [
+            table(
+                ["threshold", "acceptance rate", "tokens / step", "mean ℓ"],
+                [
+                    [
+                        fmt(r["threshold"]),
+                        fmt(r["acceptance_rate"], 3),
+                        fmt(r["tokens_per_step"], 3),
+                        fmt(r["mean_verify_len"]),
+                    ]
+                    for r in rows
+                ],
+            ),
+            "",
+        ]
     return "\n".join(out)
 
 
 def ece_markdown(result: dict[str, Any]) -> str:
     before, after = result["ece_before"], result["ece_after"]
-    out = ["## ECE per position before / after STS", "",
-           f"Calibration file `{result['calibration']}` ({result.get('num_samples')} rounds of "
-           f"{result.get('dataset')}).", ""]
-    out.append(table(["position"] + [str(k + 1) for k in range(len(before))],
-                      [["ECE before (%)"] + [fmt(x, 2, 100) for x in before],
-                       ["ECE after (%)"] + [fmt(x, 2, 100) for x in after],
-                       ["temperature"] + [fmt(x, 3) for x in result["temperatures"]]]))
+    out = [
+        "## ECE per position before / after STS",
+        "",
+        f"Calibration file `{result['calibration']}` ({result.get('num_samples')} rounds of "
+        f"{result.get('dataset')}).",
+        "",
+    ]
+    out.append(
+        table(
+            ["position"] + [str(k + 1) for k in range(len(before))],
+            [
+                ["ECE before (%)"] + [fmt(x, 2, 100) for x in before],
+                ["ECE after (%)"] + [fmt(x, 2, 100) for x in after],
+                ["temperature"] + [fmt(x, 3) for x in result["temperatures"]],
+            ],
+        )
+    )
     out.append("")
     return "\n".join(out)
 
 
 def concurrency_markdown(result: dict[str, Any]) -> str:
-    out = ["## TPS and verification budget vs concurrency", "", machine_line(result["machine"]), "",
-           f"Command: `{result['config'].get('command', '')}` (from `{result.get('source')}`)", ""]
+    out = [
+        "## TPS and verification budget vs concurrency",
+        "",
+        machine_line(result["machine"]),
+        "",
+        f"Command: `{result['config'].get('command', '')}` (from `{result.get('source')}`)",
+        "",
+    ]
     rows = sorted(result["series"], key=lambda r: (r["prompt_set"], r["concurrency"], _mode_key(r["mode"])))
     header = ["prompt set", "mode", "conc.", "output tok/s", "budget / step", "verified / req / step", "τ"]
-    out.append(table(header, [[r["prompt_set"], r["mode"], str(r["concurrency"]),
-                                fmt(r["output_tokens_per_s"], 1), fmt(r["mean_verify_budget_per_step"], 1),
-                                fmt(r["mean_verified_drafts_per_request_step"]),
-                                fmt(r["mean_acceptance_length"])] for r in rows]))
+    out.append(
+        table(
+            header,
+            [
+                [
+                    r["prompt_set"],
+                    r["mode"],
+                    str(r["concurrency"]),
+                    fmt(r["output_tokens_per_s"], 1),
+                    fmt(r["mean_verify_budget_per_step"], 1),
+                    fmt(r["mean_verified_drafts_per_request_step"]),
+                    fmt(r["mean_acceptance_length"]),
+                ]
+                for r in rows
+            ],
+        )
+    )
     return "\n".join(out) + "\n"
 
 
@@ -305,11 +471,20 @@ def paper_index_markdown(result: dict[str, Any]) -> str:
     return "\n".join(out) + "\n"
 
 
-RENDERERS = {"serving": serving_markdown, "peers": peers_markdown, "oracle": oracle_markdown,
-             "acceptance": acceptance_markdown, "threshold_sweep": threshold_markdown, "ece": ece_markdown,
-             "concurrency": concurrency_markdown, "paper_index": paper_index_markdown,
-             "decode_throughput": decode_throughput_markdown, "generate_modes": generate_modes_markdown,
-             "draft_timing": draft_timing_markdown, "sps": sps_markdown}
+RENDERERS = {
+    "serving": serving_markdown,
+    "peers": peers_markdown,
+    "oracle": oracle_markdown,
+    "acceptance": acceptance_markdown,
+    "threshold_sweep": threshold_markdown,
+    "ece": ece_markdown,
+    "concurrency": concurrency_markdown,
+    "paper_index": paper_index_markdown,
+    "decode_throughput": decode_throughput_markdown,
+    "generate_modes": generate_modes_markdown,
+    "draft_timing": draft_timing_markdown,
+    "sps": sps_markdown,
+}
 
 
 def kind_of(result: dict[str, Any]) -> str:
@@ -329,8 +504,9 @@ def render(result: dict[str, Any]) -> str:
     return RENDERERS[kind](result)
 
 
-def write_report(result_paths: Sequence[str], out: str | Path, title: str = "Benchmarks",
-                 preface: str | Path | None = None) -> Path:
+def write_report(
+    result_paths: Sequence[str], out: str | Path, title: str = "Benchmarks", preface: str | Path | None = None
+) -> Path:
     """One markdown page from several result JSON files (any suite), in the order given.
 
     Each JSON and the PNGs beside it are copied into a folder named after the page
@@ -340,9 +516,13 @@ def write_report(result_paths: Sequence[str], out: str | Path, title: str = "Ben
 
     out = Path(out)
     assets = out.with_suffix("")
-    parts = [f"# {title}", "",
-             "Generated by `dspark bench --suite report` from the result files below (copied, with "
-             f"their figures, into `{assets.name}/`); do not edit by hand: rerun the commands shown.", ""]
+    parts = [
+        f"# {title}",
+        "",
+        "Generated by `dspark bench --suite report` from the result files below (copied, with "
+        f"their figures, into `{assets.name}/`); do not edit by hand: rerun the commands shown.",
+        "",
+    ]
     if preface is not None:  # prose that reads the tables below (it must not type figures itself)
         parts += [Path(preface).read_text().strip(), ""]
     for i, p in enumerate(result_paths, 1):

@@ -8,6 +8,7 @@ from typing import Any
 
 Samples = dict[tuple[str, tuple[tuple[str, str], ...]], float]
 
+
 async def scrape(client: Any, base_url: str) -> Samples:
     from prometheus_client.parser import text_string_to_metric_families
 
@@ -25,8 +26,11 @@ def _value(samples: Samples, name: str, **labels: str) -> float:
 
 
 def _per_position(samples: Samples, name: str) -> dict[int, float]:
-    return {int(dict(lbl)["position"]): v for (n, lbl), v in samples.items()
-            if n == name and "position" in dict(lbl)}
+    return {
+        int(dict(lbl)["position"]): v
+        for (n, lbl), v in samples.items()
+        if n == name and "position" in dict(lbl)
+    }
 
 
 def detect_mode(samples: Samples) -> str:
@@ -56,8 +60,10 @@ COUNTERS = {
 
 def metric_deltas(before: Samples, after: Samples) -> dict[str, Any]:
     d: dict[str, Any] = {k: _value(after, n) - _value(before, n) for k, n in COUNTERS.items()}
-    for key, name in (("accepted_per_position", "dspark_spec_decode_num_accepted_tokens_per_pos_total"),
-                      ("verified_per_position", "dspark_spec_decode_num_verified_tokens_per_pos_total")):
+    for key, name in (
+        ("accepted_per_position", "dspark_spec_decode_num_accepted_tokens_per_pos_total"),
+        ("verified_per_position", "dspark_spec_decode_num_verified_tokens_per_pos_total"),
+    ):
         a, b = _per_position(after, name), _per_position(before, name)
         d[key] = [a.get(k, 0.0) - b.get(k, 0.0) for k in sorted(a)]
     return d
@@ -71,12 +77,15 @@ def derived_from_deltas(d: dict[str, Any]) -> dict[str, Any]:
     return {
         "mean_acceptance_length": d["spec_emitted_tokens"] / rounds if rounds else 1.0,
         "mean_verified_drafts_per_request_step": d["spec_verified_tokens"] / rounds if rounds else 0.0,
-        "mean_verify_budget_per_step": (d["verify_budget_sum"] / d["verify_steps"]
-                                        if d["verify_steps"] else 0.0),
-        "draft_acceptance_rate": (d["spec_accepted_tokens"] / d["spec_verified_tokens"]
-                                  if d["spec_verified_tokens"] else math.nan),
+        "mean_verify_budget_per_step": (
+            d["verify_budget_sum"] / d["verify_steps"] if d["verify_steps"] else 0.0
+        ),
+        "draft_acceptance_rate": (
+            d["spec_accepted_tokens"] / d["spec_verified_tokens"] if d["spec_verified_tokens"] else math.nan
+        ),
         "mean_batch_tokens": d["batch_tokens_sum"] / d["forwards"] if d["forwards"] else math.nan,
         "mean_requests_per_spec_step": rounds / d["verify_steps"] if d["verify_steps"] else math.nan,
-        "per_position_acceptance": [a / v if v else math.nan for a, v in zip(accepted_pp, verified_pp,
-                                                                             strict=False)],
+        "per_position_acceptance": [
+            a / v if v else math.nan for a, v in zip(accepted_pp, verified_pp, strict=False)
+        ],
     }

@@ -70,22 +70,24 @@ class _Target:
     server: ManagedServer | None = None
 
 
-def _schedule(cfg: ServingConfig, sets: Sequence[PromptSet], modes: Sequence[str]
-              ) -> Iterator[tuple[int, PromptSet, int, str]]:
+def _schedule(
+    cfg: ServingConfig, sets: Sequence[PromptSet], modes: Sequence[str]
+) -> Iterator[tuple[int, PromptSet, int, str]]:
     """(round, prompt set, concurrency, mode), modes innermost and rotated by round."""
     for rnd in range(cfg.rounds):
-        order = list(modes[rnd % len(modes):]) + list(modes[: rnd % len(modes)])
+        order = list(modes[rnd % len(modes) :]) + list(modes[: rnd % len(modes)])
         for ps in sets:
             for c in cfg.concurrency:
                 for mode in order:
                     yield rnd, ps, c, mode
 
 
-def _restart_schedule(cfg: ServingConfig, sets: Sequence[PromptSet], modes: Sequence[str]
-                      ) -> Iterator[tuple[int, PromptSet, int, str]]:
+def _restart_schedule(
+    cfg: ServingConfig, sets: Sequence[PromptSet], modes: Sequence[str]
+) -> Iterator[tuple[int, PromptSet, int, str]]:
     """One server at a time: (round, mode) outermost, mode order rotated by round."""
     for rnd in range(cfg.rounds):
-        order = list(modes[rnd % len(modes):]) + list(modes[: rnd % len(modes)])
+        order = list(modes[rnd % len(modes) :]) + list(modes[: rnd % len(modes)])
         for mode in order:
             for ps in sets:
                 for c in cfg.concurrency:
@@ -110,8 +112,9 @@ async def _run_serving(cfg: ServingConfig) -> dict[str, Any]:
     out = Path(cfg.out)
     out.mkdir(parents=True, exist_ok=True)
     headers = {"Authorization": f"Bearer {cfg.api_key}"} if cfg.api_key else None
-    limits = httpx.Limits(max_connections=max(cfg.concurrency) + 8,
-                          max_keepalive_connections=max(cfg.concurrency) + 8)
+    limits = httpx.Limits(
+        max_connections=max(cfg.concurrency) + 8, max_keepalive_connections=max(cfg.concurrency) + 8
+    )
     timeout = httpx.Timeout(cfg.request_timeout_s, connect=30.0)
     machine = machine_info()
     targets: dict[str, _Target] = {}
@@ -138,8 +141,11 @@ async def _run_serving(cfg: ServingConfig) -> dict[str, Any]:
                 urls = [u.rstrip("/").removesuffix("/v1") for u in cfg.urls]
                 labels = list(cfg.modes) if cfg.modes and len(cfg.modes) == len(urls) else []
                 if cfg.modes and not labels:
-                    log.warning("--modes has %d labels for %d --url values: detecting modes from "
-                                "/metrics instead", len(cfg.modes), len(urls))
+                    log.warning(
+                        "--modes has %d labels for %d --url values: detecting modes from /metrics instead",
+                        len(cfg.modes),
+                        len(urls),
+                    )
                 for i, url in enumerate(urls):
                     try:
                         samples = await scrape(client, url)
@@ -150,14 +156,23 @@ async def _run_serving(cfg: ServingConfig) -> dict[str, Any]:
                         mode = f"{mode}-{i}"
                     targets[mode] = _Target(mode, url)
                 modes = list(targets)
-            schedule = list(_restart_schedule(cfg, sets, modes) if policy == "restart" and self_host
-                            else _schedule(cfg, sets, modes))
+            schedule = list(
+                _restart_schedule(cfg, sets, modes)
+                if policy == "restart" and self_host
+                else _schedule(cfg, sets, modes)
+            )
             counts = {(ps.name, c): _num_requests(cfg, ps, c) for ps in sets for c in cfg.concurrency}
             total = sum(counts[(ps.name, c)] for _, ps, c, _ in schedule)
             round_runs: list[dict[str, Any]] = []
             per_request: dict[tuple[str, str, int], list[RequestResult]] = {}
-            with tqdm(total=total, desc="bench", unit="req", disable=not cfg.progress,
-                      file=sys.stderr, dynamic_ncols=True) as bar:
+            with tqdm(
+                total=total,
+                desc="bench",
+                unit="req",
+                disable=not cfg.progress,
+                file=sys.stderr,
+                dynamic_ncols=True,
+            ) as bar:
                 for rnd, ps, c, mode in schedule:
                     target = targets.get(mode)
                     if target is None:  # restart policy: this mode's server is not up yet
@@ -173,12 +188,20 @@ async def _run_serving(cfg: ServingConfig) -> dict[str, Any]:
                     n = counts[(ps.name, c)]
                     payloads = [chat_payload(ps.prompts[i % len(ps.prompts)], cfg, i) for i in range(n)]
                     before = await scrape(client, target.base_url)
-                    results, t0, t1 = await run_load(client, target.base_url, payloads, c,
-                                                     cfg.request_rate, cfg.seed + rnd, headers,
-                                                     on_done=lambda _r: bar.update(1))
+                    results, t0, t1 = await run_load(
+                        client,
+                        target.base_url,
+                        payloads,
+                        c,
+                        cfg.request_rate,
+                        cfg.seed + rnd,
+                        headers,
+                        on_done=lambda _r: bar.update(1),
+                    )
                     after = await scrape(client, target.base_url)
-                    run = _round_summary(rnd, ps, mode, c, cfg, results, t1 - t0,
-                                         metric_deltas(before, after))
+                    run = _round_summary(
+                        rnd, ps, mode, c, cfg, results, t1 - t0, metric_deltas(before, after)
+                    )
                     round_runs.append(run)
                     per_request.setdefault((ps.name, mode, c), []).extend(results)
                     _check_run(run, results, out, self_host)
@@ -190,13 +213,23 @@ async def _run_serving(cfg: ServingConfig) -> dict[str, Any]:
     result = {
         "machine": machine,
         "config": {
-            "command": cfg.command, "self_host": self_host, "server_policy": policy if self_host else None,
-            "server_args": list(cfg.server_args), "urls": list(cfg.urls), "modes": modes,
-            "concurrency": list(cfg.concurrency), "prompt_sets": {ps.name: ps.path for ps in sets},
-            "prompts_per_set": {ps.name: len(ps.prompts) for ps in sets}, "limit": cfg.limit,
-            "num_requests": cfg.num_requests, "max_tokens": cfg.max_tokens,
-            "temperature": cfg.temperature, "ignore_eos": cfg.ignore_eos,
-            "request_rate": cfg.request_rate, "rounds": cfg.rounds, "seed": cfg.seed,
+            "command": cfg.command,
+            "self_host": self_host,
+            "server_policy": policy if self_host else None,
+            "server_args": list(cfg.server_args),
+            "urls": list(cfg.urls),
+            "modes": modes,
+            "concurrency": list(cfg.concurrency),
+            "prompt_sets": {ps.name: ps.path for ps in sets},
+            "prompts_per_set": {ps.name: len(ps.prompts) for ps in sets},
+            "limit": cfg.limit,
+            "num_requests": cfg.num_requests,
+            "max_tokens": cfg.max_tokens,
+            "temperature": cfg.temperature,
+            "ignore_eos": cfg.ignore_eos,
+            "request_rate": cfg.request_rate,
+            "rounds": cfg.rounds,
+            "seed": cfg.seed,
         },
         "runs": runs,
         "round_runs": round_runs,
@@ -214,8 +247,9 @@ def _num_requests(cfg: ServingConfig, ps: PromptSet, concurrency: int) -> int:
     return cfg.num_requests or max(len(ps.prompts), REQUESTS_PER_SLOT * concurrency)
 
 
-async def _warm_up(client: Any, target: _Target, ps: PromptSet, cfg: ServingConfig,
-                   headers: dict[str, str] | None) -> None:
+async def _warm_up(
+    client: Any, target: _Target, ps: PromptSet, cfg: ServingConfig, headers: dict[str, str] | None
+) -> None:
     """A few short requests so that first-call costs (allocations, the planner's first SPS
     refresh) do not land in the first measured run."""
     if cfg.warmup_requests <= 0:
@@ -227,18 +261,34 @@ async def _warm_up(client: Any, target: _Target, ps: PromptSet, cfg: ServingConf
     results, _, _ = await run_load(client, target.base_url, payloads, 2, None, 0, headers)
     bad = [r for r in results if not r.ok]
     if bad:
-        raise BenchError(f"warm-up request to the {target.mode} server failed: {bad[0].error}"
-                         + (f"\nserver log:\n{target.server.log_tail()}" if target.server else ""))
+        raise BenchError(
+            f"warm-up request to the {target.mode} server failed: {bad[0].error}"
+            + (f"\nserver log:\n{target.server.log_tail()}" if target.server else "")
+        )
 
 
-def _round_summary(rnd: int, ps: PromptSet, mode: str, c: int, cfg: ServingConfig,
-                   results: list[RequestResult], duration: float, deltas: dict[str, Any]) -> dict[str, Any]:
+def _round_summary(
+    rnd: int,
+    ps: PromptSet,
+    mode: str,
+    c: int,
+    cfg: ServingConfig,
+    results: list[RequestResult],
+    duration: float,
+    deltas: dict[str, Any],
+) -> dict[str, Any]:
     ok = [r for r in results if r.ok]
     tokens = sum(r.completion_tokens for r in ok)
     return {
-        "round": rnd, "prompt_set": ps.name, "mode": mode, "concurrency": c,
-        "request_rate": cfg.request_rate, "num_requests": len(results), "errors": len(results) - len(ok),
-        "duration_s": duration, "output_tokens": tokens,
+        "round": rnd,
+        "prompt_set": ps.name,
+        "mode": mode,
+        "concurrency": c,
+        "request_rate": cfg.request_rate,
+        "num_requests": len(results),
+        "errors": len(results) - len(ok),
+        "duration_s": duration,
+        "output_tokens": tokens,
         "prompt_tokens": sum(r.prompt_tokens for r in ok),
         "output_tokens_per_s": tokens / duration if duration > 0 else math.nan,
         "requests_per_s": len(ok) / duration if duration > 0 else math.nan,
@@ -253,26 +303,39 @@ def _check_run(run: dict[str, Any], results: list[RequestResult], out: Path, sel
     """Fail loudly: any failed request, or (self-hosted) token counts that do not add up."""
     bad = [r for r in results if not r.ok]
     if bad:
-        write_json(out / "errors.json", {"run": {k: v for k, v in run.items() if k != "metrics"},
-                                         "errors": [{"index": r.index, "status": r.status, "error": r.error}
-                                                    for r in bad]})
-        raise BenchError(f"{len(bad)} of {len(results)} requests failed ({run['prompt_set']}, mode "
-                         f"{run['mode']}, concurrency {run['concurrency']}); first: {bad[0].error} "
-                         f"(all errors in {out / 'errors.json'})")
+        write_json(
+            out / "errors.json",
+            {
+                "run": {k: v for k, v in run.items() if k != "metrics"},
+                "errors": [{"index": r.index, "status": r.status, "error": r.error} for r in bad],
+            },
+        )
+        raise BenchError(
+            f"{len(bad)} of {len(results)} requests failed ({run['prompt_set']}, mode "
+            f"{run['mode']}, concurrency {run['concurrency']}); first: {bad[0].error} "
+            f"(all errors in {out / 'errors.json'})"
+        )
     if self_host:
         server_tokens = run["metrics"]["generation_tokens"]
         if int(server_tokens) != run["output_tokens"]:
-            raise BenchError(f"token count mismatch ({run['mode']}, concurrency {run['concurrency']}): "
-                             f"usage says {run['output_tokens']}, the server's "
-                             f"dspark_generation_tokens_total grew by {server_tokens:.0f}")
+            raise BenchError(
+                f"token count mismatch ({run['mode']}, concurrency {run['concurrency']}): "
+                f"usage says {run['output_tokens']}, the server's "
+                f"dspark_generation_tokens_total grew by {server_tokens:.0f}"
+            )
         if int(run["metrics"]["spec_rounds"]) != run["usage_spec_rounds"]:
-            raise BenchError(f"speculative round count mismatch ({run['mode']}, concurrency "
-                             f"{run['concurrency']}): usage {run['usage_spec_rounds']}, /metrics "
-                             f"{run['metrics']['spec_rounds']:.0f}")
+            raise BenchError(
+                f"speculative round count mismatch ({run['mode']}, concurrency "
+                f"{run['concurrency']}): usage {run['usage_spec_rounds']}, /metrics "
+                f"{run['metrics']['spec_rounds']:.0f}"
+            )
 
 
-def _aggregate(round_runs: list[dict[str, Any]], per_request: dict[tuple[str, str, int], list[RequestResult]],
-               cfg: ServingConfig) -> list[dict[str, Any]]:
+def _aggregate(
+    round_runs: list[dict[str, Any]],
+    per_request: dict[tuple[str, str, int], list[RequestResult]],
+    cfg: ServingConfig,
+) -> list[dict[str, Any]]:
     rows = []
     keys = list(dict.fromkeys((r["prompt_set"], r["mode"], r["concurrency"]) for r in round_runs))
     for ps, mode, c in keys:
@@ -281,22 +344,29 @@ def _aggregate(round_runs: list[dict[str, Any]], per_request: dict[tuple[str, st
         summed: dict[str, Any] = {k: sum(r["metrics"][k] for r in rs) for k in COUNTERS}
         for key in ("accepted_per_position", "verified_per_position"):
             width = max(len(r["metrics"][key]) for r in rs)
-            summed[key] = [sum(r["metrics"][key][i] for r in rs if i < len(r["metrics"][key]))
-                           for i in range(width)]
+            summed[key] = [
+                sum(r["metrics"][key][i] for r in rs if i < len(r["metrics"][key])) for i in range(width)
+            ]
         tps = [r["output_tokens_per_s"] for r in rs]
         row = {
-            "prompt_set": ps, "mode": mode, "concurrency": c, "request_rate": cfg.request_rate,
-            "rounds": len(rs), "num_requests": sum(r["num_requests"] for r in rs),
+            "prompt_set": ps,
+            "mode": mode,
+            "concurrency": c,
+            "request_rate": cfg.request_rate,
+            "rounds": len(rs),
+            "num_requests": sum(r["num_requests"] for r in rs),
             "errors": sum(r["errors"] for r in rs),
             "output_tokens": sum(r["output_tokens"] for r in rs),
             "duration_s": sum(r["duration_s"] for r in rs),
             "output_tokens_per_s": statistics.median(tps),
             "output_tokens_per_s_rounds": tps,
-            "output_tokens_per_s_spread": ((max(tps) - min(tps)) / statistics.median(tps)
-                                           if len(tps) > 1 else 0.0),
+            "output_tokens_per_s_spread": (
+                (max(tps) - min(tps)) / statistics.median(tps) if len(tps) > 1 else 0.0
+            ),
             "requests_per_s": statistics.median(r["requests_per_s"] for r in rs),
-            "mean_output_tokens_per_request": (sum(r.completion_tokens for r in reqs) / len(reqs)
-                                               if reqs else math.nan),
+            "mean_output_tokens_per_request": (
+                sum(r.completion_tokens for r in reqs) / len(reqs) if reqs else math.nan
+            ),
             **latency_stats("ttft", [r.ttft for r in reqs if r.ttft is not None]),
             **latency_stats("tpot", [t for r in reqs if (t := r.tpot) is not None]),
             **latency_stats("itl", [x for r in reqs for x in r.itl]),
@@ -309,29 +379,53 @@ def _aggregate(round_runs: list[dict[str, Any]], per_request: dict[tuple[str, st
         rows.append(row)
     for row in rows:
         for base in ("off", "fixed"):
-            ref = next((r for r in rows if r["mode"] == base and r["prompt_set"] == row["prompt_set"]
-                        and r["concurrency"] == row["concurrency"]), None)
-            row[f"speedup_vs_{base}"] = (row["output_tokens_per_s"] / ref["output_tokens_per_s"]
-                                         if ref and ref["output_tokens_per_s"] else None)
+            ref = next(
+                (
+                    r
+                    for r in rows
+                    if r["mode"] == base
+                    and r["prompt_set"] == row["prompt_set"]
+                    and r["concurrency"] == row["concurrency"]
+                ),
+                None,
+            )
+            row[f"speedup_vs_{base}"] = (
+                row["output_tokens_per_s"] / ref["output_tokens_per_s"]
+                if ref and ref["output_tokens_per_s"]
+                else None
+            )
     return rows
 
 
 def server_args_from_namespace(a: Any, max_concurrency: int) -> list[str]:
     """`dspark serve` flags for self-hosted servers from `dspark bench`'s engine flags."""
     args: list[str] = []
-    for flag, attr in (("--model", "model"), ("--draft", "draft"), ("--gamma", "gamma"),
-                       ("--threshold", "threshold"), ("--profile", "profile"),
-                       ("--calibration", "calibration"), ("--dtype", "dtype"),
-                       ("--max-model-len", "max_model_len"), ("--max-queued", "max_queued"),
-                       ("--max-batch-tokens", "max_batch_tokens"), ("--prefill-chunk", "prefill_chunk"),
-                       ("--page-size", "page_size"), ("--num-pages", "num_pages"), ("--threads", "threads")):
+    for flag, attr in (
+        ("--model", "model"),
+        ("--draft", "draft"),
+        ("--gamma", "gamma"),
+        ("--threshold", "threshold"),
+        ("--profile", "profile"),
+        ("--calibration", "calibration"),
+        ("--dtype", "dtype"),
+        ("--max-model-len", "max_model_len"),
+        ("--max-queued", "max_queued"),
+        ("--max-batch-tokens", "max_batch_tokens"),
+        ("--prefill-chunk", "prefill_chunk"),
+        ("--page-size", "page_size"),
+        ("--num-pages", "num_pages"),
+        ("--threads", "threads"),
+    ):
         v = getattr(a, attr, None)
         if v is not None:
             args += [flag, str(v)]
     running = getattr(a, "max_running", None) or 64
     if running < max_concurrency:
-        log.info("raising the servers' --max-running from %d to the highest concurrency %d",
-                 running, max_concurrency)
+        log.info(
+            "raising the servers' --max-running from %d to the highest concurrency %d",
+            running,
+            max_concurrency,
+        )
         running = max_concurrency
     args += ["--max-running", str(running)]
     return args + list(getattr(a, "server_arg", None) or [])

@@ -64,14 +64,17 @@ def pack(chunks: list[SeqChunk], allocator: PageAllocator) -> PackedBatch:
         positions.append(torch.arange(c.start, c.start + n))
         seq_slots = allocator.slots(c.table, 0, c.start + n)
         kv_slots.append(seq_slots)
-        slots.append(seq_slots[c.start:])
+        slots.append(seq_slots[c.start :])
     q_index = [torch.arange(o, o + n) for o, n in zip(offsets, lengths, strict=True)]
     small = [i for i, n in enumerate(lengths) if n <= SMALL_QUERY]
     large = [i for i, n in enumerate(lengths) if n > SMALL_QUERY]
     groups: list[AttentionGroup] = []
     if small:
-        groups.append(build_group([q_index[i] for i in small], [kv_slots[i] for i in small],
-                                  [positions[i] for i in small]))
+        groups.append(
+            build_group(
+                [q_index[i] for i in small], [kv_slots[i] for i in small], [positions[i] for i in small]
+            )
+        )
     for i in large:
         groups.append(build_group([q_index[i]], [kv_slots[i]], [positions[i]]))
     return PackedBatch(

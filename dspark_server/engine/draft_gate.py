@@ -56,11 +56,17 @@ class _Bucket:
 
 
 class DraftGate:
-    def __init__(self, explore_every: int = 16, smoothing: float = 0.05,
-                 max_explore_overhead: float = 0.02, min_samples: int = 8) -> None:
+    def __init__(
+        self,
+        explore_every: int = 16,
+        smoothing: float = 0.05,
+        max_explore_overhead: float = 0.02,
+        min_samples: int = 8,
+    ) -> None:
         if explore_every < 2 or not 0.0 < smoothing <= 1.0 or not 0.0 < max_explore_overhead < 1.0:
-            raise ValueError("explore_every must be >= 2, smoothing in (0, 1], "
-                             "max_explore_overhead in (0, 1)")
+            raise ValueError(
+                "explore_every must be >= 2, smoothing in (0, 1], max_explore_overhead in (0, 1)"
+            )
         self.explore_every = explore_every
         self.smoothing = smoothing
         self.max_explore_overhead = max_explore_overhead

@@ -36,15 +36,17 @@ log = logging.getLogger(__name__)
 
 
 class LLMEngine:
-    def __init__(self, cfg: EngineConfig, runner: ModelRunner | None = None,
-                 tokenizer: Tokenizer | None = None) -> None:
+    def __init__(
+        self, cfg: EngineConfig, runner: ModelRunner | None = None, tokenizer: Tokenizer | None = None
+    ) -> None:
         self.cfg = cfg
         if cfg.num_threads:
             torch.set_num_threads(cfg.num_threads)
         self.runner = runner if runner is not None else ModelRunner(cfg)
         self.tokenizer = tokenizer if tokenizer is not None else Tokenizer(cfg.model_dir)
-        self.eos_token_ids = eos_token_ids(cfg.model_dir, self.runner.target.config.eos_token_ids,
-                                      self.tokenizer)
+        self.eos_token_ids = eos_token_ids(
+            cfg.model_dir, self.runner.target.config.eos_token_ids, self.tokenizer
+        )
         self.max_model_len = min(cfg.max_model_len, self.runner.target.config.max_position_embeddings)
         self.spec = None
         if cfg.draft_dir and cfg.spec.mode != "off":
@@ -73,10 +75,16 @@ class LLMEngine:
                 f"This model's maximum context length is {self.max_model_len} tokens. However, you "
                 f"requested {total} tokens ({len(prompt_ids)} in the prompt, {params.max_tokens} for "
                 "the completion). Please reduce the length of the prompt or max_tokens.",
-                "max_tokens")
+                "max_tokens",
+            )
 
-    def add_request(self, request_id: str, prompt_ids: list[int], params: SamplingParams,
-                    sink: Callable[[RequestOutput], None]) -> None:
+    def add_request(
+        self,
+        request_id: str,
+        prompt_ids: list[int],
+        params: SamplingParams,
+        sink: Callable[[RequestOutput], None],
+    ) -> None:
         self.validate(prompt_ids, params)
         self._inbox.put(("add", Request(request_id, list(prompt_ids), params, sink)))
         if self.on_step:
@@ -148,9 +156,11 @@ class LLMEngine:
         self.stats.record_batch(result.batch.num_tokens, result.seconds)
         if not sampling:
             return
-        tokens = sample_from_logits(result.output.logits,
-                                    SamplingTensors.from_params([r.params for r in sampling]),
-                                    [r.generator for r in sampling])
+        tokens = sample_from_logits(
+            result.output.logits,
+            SamplingTensors.from_params([r.params for r in sampling]),
+            [r.generator for r in sampling],
+        )
         for req, tok in zip(sampling, tokens.tolist(), strict=True):
             self.commit(req, [tok])
 

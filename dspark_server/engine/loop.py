@@ -138,8 +138,10 @@ class NativeBackend:
     def generate(self, request_id: str, prompt_ids: list[int], params: SamplingParams) -> NativeStream:
         with self._lock:
             if self._admitted >= self.capacity:
-                raise QueueFullError(f"{self._admitted} requests are running or queued "
-                                     f"(max_running {self.max_running} + max_queued {self.max_queued})")
+                raise QueueFullError(
+                    f"{self._admitted} requests are running or queued "
+                    f"(max_running {self.max_running} + max_queued {self.max_queued})"
+                )
             self._admitted += 1
         stream = NativeStream(self, request_id)
         try:
@@ -153,17 +155,24 @@ class NativeBackend:
         sched, alloc = self.engine.scheduler, self.engine.runner.allocator
         with self._lock:
             admitted = self._admitted
-        return LoadSnapshot(running=len(sched.running), waiting=len(sched.waiting), admitted=admitted,
-                            max_running=self.max_running, max_queued=self.max_queued,
-                            kv_total_pages=alloc.capacity_pages, kv_free_pages=alloc.free_pages)
+        return LoadSnapshot(
+            running=len(sched.running),
+            waiting=len(sched.waiting),
+            admitted=admitted,
+            max_running=self.max_running,
+            max_queued=self.max_queued,
+            kv_total_pages=alloc.capacity_pages,
+            kv_free_pages=alloc.free_pages,
+        )
 
     def spec_snapshot(self) -> SpecSnapshot | None:
         spec = self.engine.spec
         if spec is None:
             return None
         curve = spec.live_sps.curve() if spec.live_sps is not None else []
-        return SpecSnapshot(mode=self.engine.cfg.spec.mode, gamma=spec.gamma, sps_curve=curve,
-                            drift=spec.drift.summary())
+        return SpecSnapshot(
+            mode=self.engine.cfg.spec.mode, gamma=spec.gamma, sps_curve=curve, drift=spec.drift.summary()
+        )
 
     def start(self) -> None:
         self._thread.start()

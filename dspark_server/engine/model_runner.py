@@ -29,12 +29,14 @@ class ModelRunner:
         self.target = target if target is not None else load_target(cfg.model_dir, self.dtype)
         mc = self.target.config
         self.allocator = PageAllocator(cfg.resolved_num_pages(), cfg.page_size)
-        self.pool = KVPool(mc.num_hidden_layers, self.allocator.num_slots, mc.num_key_value_heads,
-                           mc.head_dim, self.dtype)
+        self.pool = KVPool(
+            mc.num_hidden_layers, self.allocator.num_slots, mc.num_key_value_heads, mc.head_dim, self.dtype
+        )
 
     @torch.inference_mode()
-    def forward(self, chunks: list[SeqChunk], logits_tail: list[int],
-                capture_layers: tuple[int, ...] = ()) -> ForwardResult:
+    def forward(
+        self, chunks: list[SeqChunk], logits_tail: list[int], capture_layers: tuple[int, ...] = ()
+    ) -> ForwardResult:
         """Run the target over the chunks and mark their tokens as cached.
 
         ``logits_tail[i]``: how many of chunk i's last rows need logits (0, 1 for a sampled next
@@ -42,11 +44,19 @@ class ModelRunner:
         """
         t0 = time.perf_counter()
         batch = pack(chunks, self.allocator)
-        rows = [torch.arange(o + n - k, o + n)
-                for o, n, k in zip(batch.offsets, batch.lengths, logits_tail, strict=True) if k]
+        rows = [
+            torch.arange(o + n - k, o + n)
+            for o, n, k in zip(batch.offsets, batch.lengths, logits_tail, strict=True)
+            if k
+        ]
         logits_rows = torch.cat(rows) if rows else torch.zeros(0, dtype=torch.long)
-        out = self.target(batch.input_ids, batch.positions, batch.attention(self.pool),
-                          logits_rows=logits_rows, capture_layers=capture_layers)
+        out = self.target(
+            batch.input_ids,
+            batch.positions,
+            batch.attention(self.pool),
+            logits_rows=logits_rows,
+            capture_layers=capture_layers,
+        )
         for c in chunks:
             c.table.length = c.start + len(c.token_ids)
         return ForwardResult(batch, out, time.perf_counter() - t0)

@@ -61,8 +61,8 @@ class OutputProcessor:
             visible = max(req.sent_text_len, visible - (max(len(s) for s in req.params.stop) - 1))
         out = RequestOutput(
             request_id=req.request_id,
-            new_token_ids=tuple(req.output_ids[req.sent_token_len:]),
-            new_text=req.output_text[req.sent_text_len: visible],
+            new_token_ids=tuple(req.output_ids[req.sent_token_len :]),
+            new_text=req.output_text[req.sent_text_len : visible],
             finished=finished,
             finish_reason=req.finish_reason if finished else None,
             prompt_tokens=len(req.prompt_ids),

@@ -25,9 +25,16 @@ from dspark_server.planner import SpsCostTable, build_sps_table, monotone_envelo
 log = logging.getLogger(__name__)
 
 
-def profile_sps(runner: ModelRunner, max_batch_tokens: int, block: int = 8, context: int = 128,
-                repeats: int = 5, warmup: int = 2, time_budget_s: float | None = None,
-                progress: Callable[[int, int], None] | None = None) -> SpsCostTable:
+def profile_sps(
+    runner: ModelRunner,
+    max_batch_tokens: int,
+    block: int = 8,
+    context: int = 128,
+    repeats: int = 5,
+    warmup: int = 2,
+    time_budget_s: float | None = None,
+    progress: Callable[[int, int], None] | None = None,
+) -> SpsCostTable:
     """Median step time per probe -> ``SpsCostTable`` (monotone envelope: see ``monotone_envelope``).
     Stops adding probes past the time budget."""
     probes = probe_batch_sizes(max_batch_tokens)
@@ -44,8 +51,10 @@ def profile_sps(runner: ModelRunner, max_batch_tokens: int, block: int = 8, cont
                 if not alloc.reserve(t, context + n):
                     raise RuntimeError("KV cache too small to profile this batch size")
                 t.length = context
-            chunks = [SeqChunk(t, context, torch.randint(0, vocab, (n,), generator=gen).tolist())
-                      for t, n in zip(tables, sizes, strict=True)]
+            chunks = [
+                SeqChunk(t, context, torch.randint(0, vocab, (n,), generator=gen).tolist())
+                for t, n in zip(tables, sizes, strict=True)
+            ]
             times = []
             for rep in range(warmup + repeats):
                 result = runner.forward(chunks, sizes)
@@ -77,8 +86,12 @@ def machine_description() -> dict[str, str | int]:
                 break
     except OSError:
         pass
-    return {"cpu": cpu, "cores": os.cpu_count() or 1, "torch_threads": torch.get_num_threads(),
-            "torch": torch.__version__}
+    return {
+        "cpu": cpu,
+        "cores": os.cpu_count() or 1,
+        "torch_threads": torch.get_num_threads(),
+        "torch": torch.__version__,
+    }
 
 
 def profile_key(model_dir: str, dtype: str) -> str:

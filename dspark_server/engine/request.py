@@ -38,15 +38,13 @@ class SamplingParams:
 
     def __post_init__(self) -> None:
         if not math.isfinite(self.temperature) or not 0.0 <= self.temperature <= 2.0:
-            raise InvalidRequestError(f"temperature must be in [0, 2], got {self.temperature}",
-                                      "temperature")
+            raise InvalidRequestError(f"temperature must be in [0, 2], got {self.temperature}", "temperature")
         if not math.isfinite(self.top_p) or not 0.0 < self.top_p <= 1.0:
             raise InvalidRequestError(f"top_p must be in (0, 1], got {self.top_p}", "top_p")
         if self.top_k < -1:
             raise InvalidRequestError(f"top_k must be -1, 0 or positive, got {self.top_k}", "top_k")
         if self.max_tokens < 1:
-            raise InvalidRequestError(f"max_tokens must be at least 1, got {self.max_tokens}",
-                                      "max_tokens")
+            raise InvalidRequestError(f"max_tokens must be at least 1, got {self.max_tokens}", "max_tokens")
         if any(not s for s in self.stop):
             raise InvalidRequestError("stop strings must be non-empty", "stop")
 

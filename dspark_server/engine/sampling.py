@@ -96,8 +96,9 @@ def sample(probs: torch.Tensor, generators: Sequence[torch.Generator]) -> torch.
     return out
 
 
-def sample_from_logits(logits: torch.Tensor, s: SamplingTensors,
-                       generators: Sequence[torch.Generator]) -> torch.Tensor:
+def sample_from_logits(
+    logits: torch.Tensor, s: SamplingTensors, generators: Sequence[torch.Generator]
+) -> torch.Tensor:
     if s.all_greedy:
         return logits.argmax(dim=-1)
     tokens = sample(shape_probs(logits, s), generators)

@@ -32,7 +32,7 @@ class ScheduledChunk:
 
     @property
     def token_ids(self) -> list[int]:
-        return self.request.all_ids[self.start: self.start + self.num_tokens]
+        return self.request.all_ids[self.start : self.start + self.num_tokens]
 
 
 @dataclass(frozen=True)

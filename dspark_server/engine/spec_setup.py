@@ -47,9 +47,18 @@ def build_speculative(cfg: EngineConfig, runner: ModelRunner) -> SpeculativeDeco
     # Only the load-aware mode may skip drafting; fixed and threshold stay pure baselines.
     gate = DraftGate() if spec.mode == "dspark" and spec.draft_gate else None
     overhead = StepOverhead() if spec.mode == "dspark" and spec.price_step_overhead else None
-    return SpeculativeDecoder(drafter, pool, planner, resolve_calibration(cfg, drafter.gamma), live,
-                              CalibrationDriftTracker(gamma), gamma, gate, overhead,
-                              resolve_greedy_calibration(cfg))
+    return SpeculativeDecoder(
+        drafter,
+        pool,
+        planner,
+        resolve_calibration(cfg, drafter.gamma),
+        live,
+        CalibrationDriftTracker(gamma),
+        gamma,
+        gate,
+        overhead,
+        resolve_greedy_calibration(cfg),
+    )
 
 
 def _calibration_file(explicit: str | None, draft_dir: str | None, name: str) -> StsCalibration | None:
@@ -87,11 +96,24 @@ def resolve_sps_table(cfg: EngineConfig, runner: ModelRunner) -> SpsCostTable:
             log.info("using SPS profile %s", candidate)
             return load_sps_table(candidate)
     log.info("no SPS profile for this model and machine: profiling (<= %.0f s)", STARTUP_PROFILE_BUDGET_S)
-    table = profile_sps(runner, cfg.max_batch_tokens, block=(cfg.spec.gamma or 7) + 1, repeats=3,
-                        time_budget_s=STARTUP_PROFILE_BUDGET_S)
+    table = profile_sps(
+        runner,
+        cfg.max_batch_tokens,
+        block=(cfg.spec.gamma or 7) + 1,
+        repeats=3,
+        time_budget_s=STARTUP_PROFILE_BUDGET_S,
+    )
     out = cache_dir() / f"{key}.json"
-    save_sps_table(table, out, metadata={"profile_key": key, "model_dir": cfg.model_dir,
-                                         "dtype": cfg.dtype, "machine": machine_description()})
+    save_sps_table(
+        table,
+        out,
+        metadata={
+            "profile_key": key,
+            "model_dir": cfg.model_dir,
+            "dtype": cfg.dtype,
+            "machine": machine_description(),
+        },
+    )
     return table
 
 

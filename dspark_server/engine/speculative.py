@@ -59,11 +59,19 @@ class RoundRecord:
 
 
 class SpeculativeDecoder:
-    def __init__(self, drafter: DSparkDrafter, pool: KVPool, planner: VerifyPlanner,
-                 calibration: StsCalibration, live_sps: LiveSpsTable | None,
-                 drift: CalibrationDriftTracker, gamma: int, gate: DraftGate | None = None,
-                 overhead: StepOverhead | None = None,
-                 greedy_calibration: StsCalibration | None = None) -> None:
+    def __init__(
+        self,
+        drafter: DSparkDrafter,
+        pool: KVPool,
+        planner: VerifyPlanner,
+        calibration: StsCalibration,
+        live_sps: LiveSpsTable | None,
+        drift: CalibrationDriftTracker,
+        gamma: int,
+        gate: DraftGate | None = None,
+        overhead: StepOverhead | None = None,
+        greedy_calibration: StsCalibration | None = None,
+    ) -> None:
         if not 1 <= gamma <= drafter.gamma:
             raise ValueError(f"gamma must be in 1..{drafter.gamma} (the drafter's block size), got {gamma}")
         for cal in (calibration, greedy_calibration or calibration):
@@ -75,8 +83,11 @@ class SpeculativeDecoder:
         self.calibration = StsCalibration(temperatures=calibration.temperatures[:gamma])
         # Temperature-0 requests accept a draft when it equals the argmax, far more often than
         # rejection sampling at temperature 1 does: they get their own temperatures when fitted.
-        self.greedy_calibration = (self.calibration if greedy_calibration is None
-                                   else StsCalibration(temperatures=greedy_calibration.temperatures[:gamma]))
+        self.greedy_calibration = (
+            self.calibration
+            if greedy_calibration is None
+            else StsCalibration(temperatures=greedy_calibration.temperatures[:gamma])
+        )
         self.live_sps = live_sps
         self.drift = drift
         self.gamma = gamma
@@ -110,8 +121,9 @@ class SpeculativeDecoder:
         if drafting:
             # 1. Draft: one backbone pass for all decoding requests, then the sequential head.
             anchors = torch.tensor([r.all_ids[-1] for r in decodes])
-            ctx = DraftContext.from_slot_lists([alloc.slots(r.table, 0, p) for r, p in
-                                                zip(decodes, anchor_pos, strict=True)])
+            ctx = DraftContext.from_slot_lists(
+                [alloc.slots(r.table, 0, p) for r, p in zip(decodes, anchor_pos, strict=True)]
+            )
             block = self.drafter.backbone(anchors, torch.tensor(anchor_pos), ctx, self.pool)
             drafts = self.sample_drafts(decodes, block, anchors, sampling, generators)
             draft_s = time.perf_counter() - t_start
@@ -127,13 +139,17 @@ class SpeculativeDecoder:
             else:
                 lens = [gamma] * len(decodes)
             # Never verify past max_tokens: a cap that depends on lengths only, not token values.
-            lens = [max(0, min(ell, r.params.max_tokens - len(r.output_ids) - 1))
-                    for ell, r in zip(lens, decodes, strict=True)]
+            lens = [
+                max(0, min(ell, r.params.max_tokens - len(r.output_ids) - 1))
+                for ell, r in zip(lens, decodes, strict=True)
+            ]
         self.last_verify_lens = lens
 
         # 3. Verify: [x0, x1..xℓ] per decoding request + prefill chunks, one target forward.
-        chunks = [SeqChunk(r.table, r.num_computed, [r.all_ids[-1]] + drafts.tokens[i, :ell].tolist())
-                  for i, (r, ell) in enumerate(zip(decodes, lens, strict=True))]
+        chunks = [
+            SeqChunk(r.table, r.num_computed, [r.all_ids[-1]] + drafts.tokens[i, :ell].tolist())
+            for i, (r, ell) in enumerate(zip(decodes, lens, strict=True))
+        ]
         chunks += [SeqChunk(c.request.table, c.start, c.token_ids) for c in prefills]
         tail = [ell + 1 for ell in lens] + [1 if c.completes else 0 for c in prefills]
         result = runner.forward(chunks, tail, capture_layers=self.drafter.capture_layers)
@@ -149,11 +165,14 @@ class SpeculativeDecoder:
         # 4. Rejection sampling per request against the target's distributions.
         if sampling.all_greedy:  # accept while the draft equals the target argmax
             argmax = logits.argmax(dim=-1).tolist()
-            outcome = verify_greedy(drafts.tokens.tolist(),
-                                    [argmax[s: s + ell + 1] for s, ell in zip(starts, lens, strict=True)])
+            outcome = verify_greedy(
+                drafts.tokens.tolist(), [argmax[s : s + ell + 1] for s, ell in zip(starts, lens, strict=True)]
+            )
         else:
-            target_probs = [shape_probs(logits[s: s + ell + 1], _rows(sampling, i, ell + 1))
-                            for i, (s, ell) in enumerate(zip(starts, lens, strict=True))]
+            target_probs = [
+                shape_probs(logits[s : s + ell + 1], _rows(sampling, i, ell + 1))
+                for i, (s, ell) in enumerate(zip(starts, lens, strict=True))
+            ]
             outcome = verify(drafts.tokens, drafts.probs, target_probs, lens, generators)
         if survival is not None:
             self.drift.record(survival, torch.tensor(outcome.accepted), torch.tensor(lens))
@@ -168,15 +187,17 @@ class SpeculativeDecoder:
         for i, req in enumerate(decodes):
             alloc.truncate(req.table, anchor_pos[i] + outcome.accepted[i] + 1)
             context_rows.append((req.table, result.batch.offsets[i], anchor_pos[i], outcome.accepted[i] + 1))
-        context_rows += [(c.request.table, off, c.start, c.num_tokens)
-                         for c, off in zip(prefills, result.batch.offsets[len(decodes):], strict=True)]
+        context_rows += [
+            (c.request.table, off, c.start, c.num_tokens)
+            for c, off in zip(prefills, result.batch.offsets[len(decodes) :], strict=True)
+        ]
         self._write_context(alloc, hidden, context_rows)
         emitted = 0
         for i, req in enumerate(decodes):
             acc = outcome.accepted[i]
             new_tokens = drafts.tokens[i, :acc].tolist() + [outcome.next_tokens[i]]
             emitted += engine.commit(req, new_tokens, spec_round=(gamma, lens[i], acc) if drafting else None)
-        self._sample_prefills(engine, prefills, logits, logit_starts[len(decodes):])
+        self._sample_prefills(engine, prefills, logits, logit_starts[len(decodes) :])
         if decodes:
             # Under steady traffic almost every step also carries a prefill chunk: leave out its
             # share of the forward (by token count) rather than the whole step, so the estimates
@@ -187,8 +208,9 @@ class SpeculativeDecoder:
             if self.gate is not None:
                 self.gate.record(len(decodes), drafting, emitted, step_s)
             if self.overhead is not None:
-                self.overhead.record(len(decodes), step_s, result.seconds - prefill_s,
-                                     draft_s if drafting else 0.0)
+                self.overhead.record(
+                    len(decodes), step_s, result.seconds - prefill_s, draft_s if drafting else 0.0
+                )
 
     def calibrate(self, confidence_logits: torch.Tensor, greedy_rows: torch.Tensor) -> torch.Tensor:
         """Raw confidence logits [R, γ] -> calibrated confidences, greedy rows by their own STS."""
@@ -214,8 +236,9 @@ class SpeculativeDecoder:
             self._planned_from = current
             self.planner.set_sps_table(self._planning_table(current))
 
-    def _write_context(self, alloc: PageAllocator, hidden: torch.Tensor,
-                       rows: list[tuple[PageTable, int, int, int]]) -> None:
+    def _write_context(
+        self, alloc: PageAllocator, hidden: torch.Tensor, rows: list[tuple[PageTable, int, int, int]]
+    ) -> None:
         """rows: (page table, packed row of the first token, its position, token count)."""
         if not rows:
             return
@@ -224,8 +247,14 @@ class SpeculativeDecoder:
         slots = torch.cat([alloc.slots(table, pos, pos + n) for table, _, pos, n in rows])
         self.drafter.write_context(hidden[packed], positions, slots, self.pool)
 
-    def sample_drafts(self, decodes: list[Request], block: DraftBlock, anchors: torch.Tensor,
-                      sampling: SamplingTensors, generators: Sequence[torch.Generator]) -> Drafts:
+    def sample_drafts(
+        self,
+        decodes: list[Request],
+        block: DraftBlock,
+        anchors: torch.Tensor,
+        sampling: SamplingTensors,
+        generators: Sequence[torch.Generator],
+    ) -> Drafts:
         """Left to right: x_k ~ q_k = shape(U_k + B_k(x_{k-1}, state)), the request's settings."""
         greedy = sampling.all_greedy
         state = self.drafter.init_head_state(block.hidden[:, 0])
@@ -244,20 +273,27 @@ class SpeculativeDecoder:
         conf = self.drafter.confidence_logits(block.hidden[:, : self.gamma], torch.stack(prevs, dim=1))
         return Drafts(torch.stack(tokens, dim=1), torch.stack(probs, dim=1) if probs else None, conf)
 
-    def _sample_prefills(self, engine: LLMEngine, prefills: list[ScheduledChunk], logits: torch.Tensor,
-                         logit_starts: Sequence[int]) -> None:
+    def _sample_prefills(
+        self,
+        engine: LLMEngine,
+        prefills: list[ScheduledChunk],
+        logits: torch.Tensor,
+        logit_starts: Sequence[int],
+    ) -> None:
         """Complete prefill chunks sample their request's next token from their last row."""
         sampled = [(c.request, ls) for c, ls in zip(prefills, logit_starts, strict=True) if c.completes]
         if not sampled:
             return
         reqs = [r for r, _ in sampled]
         rows = logits[torch.tensor([ls for _, ls in sampled])]
-        toks = sample_from_logits(rows, SamplingTensors.from_params([r.params for r in reqs]),
-                                  [r.generator for r in reqs])
+        toks = sample_from_logits(
+            rows, SamplingTensors.from_params([r.params for r in reqs]), [r.generator for r in reqs]
+        )
         for req, tok in zip(reqs, toks.tolist(), strict=True):
             engine.commit(req, [tok])
 
 
 def _rows(s: SamplingTensors, i: int, n: int) -> SamplingTensors:
-    return SamplingTensors(s.temperature[i: i + 1].expand(n), s.top_p[i: i + 1].expand(n),
-                           s.top_k[i: i + 1].expand(n))
+    return SamplingTensors(
+        s.temperature[i : i + 1].expand(n), s.top_p[i : i + 1].expand(n), s.top_k[i : i + 1].expand(n)
+    )

@@ -92,8 +92,13 @@ class EngineStats:
         that emits several tokens at once is one delivery)."""
         self.observe("itl_seconds", seconds)
 
-    def record_finish(self, req: Request, reason: str | None = None, arrival_time: float | None = None,
-                      first_token_time: float | None = None) -> None:
+    def record_finish(
+        self,
+        req: Request,
+        reason: str | None = None,
+        arrival_time: float | None = None,
+        first_token_time: float | None = None,
+    ) -> None:
         """A finished request; a backend that times requests itself passes its own clock readings."""
         self.finished_requests += 1
         reason = reason or req.finish_reason or "unknown"

@@ -27,21 +27,22 @@ class AcceptanceRecorder:
         self.accepted: list[int] = []
 
     def __call__(self, record: RoundRecord) -> None:
-        self.accepted += [a for a, ell in zip(record.accepted, record.verify_lens, strict=True)
-                          if ell == self.gamma]
+        self.accepted += [
+            a for a, ell in zip(record.accepted, record.verify_lens, strict=True) if ell == self.gamma
+        ]
 
     def summary(self) -> dict[str, Any]:
         n = len(self.accepted)
         reached = [sum(a >= k for a in self.accepted) for k in range(self.gamma + 1)]
-        conditional = [reached[k + 1] / reached[k] if reached[k] else float("nan")
-                       for k in range(self.gamma)]
+        conditional = [reached[k + 1] / reached[k] if reached[k] else float("nan") for k in range(self.gamma)]
         return {
             "rounds": n,
             "gamma": self.gamma,
             "mean_acceptance_length": (sum(self.accepted) + n) / n if n else float("nan"),
             "per_position_conditional_acceptance": conditional,
-            "per_position_prefix_survival": [reached[k + 1] / n if n else float("nan")
-                                             for k in range(self.gamma)],
+            "per_position_prefix_survival": [
+                reached[k + 1] / n if n else float("nan") for k in range(self.gamma)
+            ],
         }
 
 
@@ -52,9 +53,14 @@ def run_acceptance(cfg: AcceptanceConfig) -> dict[str, Any]:
     engine.spec.round_observers.append(recorder)
     for _ in generate(engine, replace(cfg.generate, concurrency=1)):
         pass
-    result = {"prompts": cfg.generate.prompts, "limit": cfg.generate.limit,
-              "temperature": cfg.generate.temperature, "max_tokens": cfg.generate.max_tokens,
-              "draft": cfg.engine.draft_dir, **recorder.summary()}
+    result = {
+        "prompts": cfg.generate.prompts,
+        "limit": cfg.generate.limit,
+        "temperature": cfg.generate.temperature,
+        "max_tokens": cfg.generate.max_tokens,
+        "draft": cfg.engine.draft_dir,
+        **recorder.summary(),
+    }
     if cfg.out_dir:
         out = Path(cfg.out_dir)
         out.mkdir(parents=True, exist_ok=True)

@@ -57,6 +57,9 @@ def run_calibration(cfg: CalibrateConfig) -> StsCalibration:
     out = Path(cfg.out)
     save_sts_calibration(calibration, out)
     plot_reliability_diagram(logits, accepted, calibration, out.with_suffix(".png"))
-    print(f"{len(accepted)} rounds; ECE before {[round(x, 4) for x in calibration.ece_before]} "
-          f"after {[round(x, 4) for x in calibration.ece_after]}", file=sys.stderr)
+    print(
+        f"{len(accepted)} rounds; ECE before {[round(x, 4) for x in calibration.ece_before]} "
+        f"after {[round(x, 4) for x in calibration.ece_after]}",
+        file=sys.stderr,
+    )
     return calibration

@@ -34,18 +34,27 @@ def default_profile_path(model_dir: str) -> Path:
 def run_profile(cfg: ProfileConfig) -> tuple[SpsCostTable, Path]:
     runner = ModelRunner(cfg.engine)
     with tqdm(desc="SPS probes", unit="probe", file=sys.stderr) as bar:
+
         def progress(done: int, total: int) -> None:
             bar.total = total
             bar.n = done
             bar.refresh()
 
-        table = profile_sps(runner, cfg.max_batch_tokens, block=cfg.block, repeats=cfg.repeats,
-                            progress=progress)
+        table = profile_sps(
+            runner, cfg.max_batch_tokens, block=cfg.block, repeats=cfg.repeats, progress=progress
+        )
     out = Path(cfg.out) if cfg.out else default_profile_path(cfg.engine.model_dir)
-    save_sps_table(table, out, metadata={
-        "profile_key": profile_key(cfg.engine.model_dir, cfg.engine.dtype),
-        "model": Path(cfg.engine.model_dir).name, "dtype": cfg.engine.dtype,
-        "machine": machine_description(), "block": cfg.block, "repeats": cfg.repeats,
-    })
+    save_sps_table(
+        table,
+        out,
+        metadata={
+            "profile_key": profile_key(cfg.engine.model_dir, cfg.engine.dtype),
+            "model": Path(cfg.engine.model_dir).name,
+            "dtype": cfg.engine.dtype,
+            "machine": machine_description(),
+            "block": cfg.block,
+            "repeats": cfg.repeats,
+        },
+    )
     plot_sps_table(table, out.with_suffix(".png"), title=f"SPS: {Path(cfg.engine.model_dir).name}")
     return table, out

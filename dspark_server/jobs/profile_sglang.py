@@ -88,8 +88,14 @@ def profile_server_kwargs(cfg: SGLangProfileConfig, port: int) -> dict[str, Any]
     """ServerArgs for the profiled server: the serving configuration in DSpark mode, with room
     (running requests, decode CUDA graphs) for the largest batch of the sweep. The SPS table and
     STS file are not passed: static verification reads neither."""
-    server = replace(cfg.server, spec_mode="dspark", verify_mode="static", sps_table_path=None,
-                     sts_path=None, max_running=max(cfg.server.max_running or 0, cfg.sweep_max))
+    server = replace(
+        cfg.server,
+        spec_mode="dspark",
+        verify_mode="static",
+        sps_table_path=None,
+        sts_path=None,
+        max_running=max(cfg.server.max_running or 0, cfg.sweep_max),
+    )
     kw = build_server_kwargs(server, host="127.0.0.1", port=port)
     kw.setdefault("cuda_graph_max_bs_decode", cfg.sweep_max)
     return kw
@@ -109,8 +115,10 @@ def convert_sglang_table(path: str | Path) -> SpsCostTable:
     """SGLang's fitted ``SpsCostTable`` JSON -> ours (same format; validated by our loader)."""
     text = Path(path).read_text(encoding="utf-8")
     if '"bias_seconds"' in text:
-        raise ValueError(f"{path}: SGLang wrote an additive (off-diagonal) table; dspark uses the "
-                         "plain SpsCostTable only (run the profiler without --fracs)")
+        raise ValueError(
+            f"{path}: SGLang wrote an additive (off-diagonal) table; dspark uses the "
+            "plain SpsCostTable only (run the profiler without --fracs)"
+        )
     return load_sps_table(path)
 
 
@@ -145,9 +153,11 @@ def _load_profiler(vocab_size: int) -> Any:
 
     mod = importlib.import_module(PROFILER_MODULE)
     if getattr(mod, "should_skip_due_to_max_running_requests", None) is None:
-        raise RuntimeError(f"{PROFILER_MODULE} fell back to its torch-free mode (see the warning "
-                           "above: a dependency of sglang.benchmark is missing); install SGLang "
-                           "with its dependencies: pip install 'dspark-server[sglang]'")
+        raise RuntimeError(
+            f"{PROFILER_MODULE} fell back to its torch-free mode (see the warning "
+            "above: a dependency of sglang.benchmark is missing); install SGLang "
+            "with its dependencies: pip install 'dspark-server[sglang]'"
+        )
     # The profiler sizes random prompts with len(HF tokenizer); with skip_tokenizer_init the server
     # needs no HF tokenizer, so give it the model's vocabulary size directly.
     mod.get_tokenizer = lambda _path: _SizedVocab(vocab_size)
@@ -165,8 +175,11 @@ def run_sglang_profile(cfg: SGLangProfileConfig) -> tuple[SpsCostTable, Path]:
     version = require_sglang_runtime()
     _, gpu = cuda_status()
     gamma = check_draft_for_sglang(replace(cfg.server, spec_mode="dspark", verify_mode="static"))
-    out = Path(cfg.out) if cfg.out else default_sglang_profile_path(cfg.server.model_path, gpu,
-                                                                   cfg.server.tp_size)
+    out = (
+        Path(cfg.out)
+        if cfg.out
+        else default_sglang_profile_path(cfg.server.model_path, gpu, cfg.server.tp_size)
+    )
     raw = raw_dir_for(out)
     raw.mkdir(parents=True, exist_ok=True)
     port = cfg.port or _free_port()
@@ -175,32 +188,61 @@ def run_sglang_profile(cfg: SGLangProfileConfig) -> tuple[SpsCostTable, Path]:
     vocab = ModelConfig.from_dir(cfg.server.model_path).vocab_size
     log.info("profiling SGLang %s DSpark verify steps on %s: %s", version, gpu, kwargs)
     env = {**os.environ, **PROFILE_ENV}
-    child = subprocess.Popen([sys.executable, "-m", "dspark_server.jobs.profile_sglang",
-                              "--child-server", json.dumps(kwargs)], env=env, start_new_session=True)
+    child = subprocess.Popen(
+        [sys.executable, "-m", "dspark_server.jobs.profile_sglang", "--child-server", json.dumps(kwargs)],
+        env=env,
+        start_new_session=True,
+    )
     try:
         _wait_healthy(child, base_url, cfg.startup_timeout_s)
         profiler = _load_profiler(vocab)
         settings = profiler.RoundSettings(
-            input_len=cfg.input_len, temperature=cfg.temperature, min_steady_steps=cfg.min_steady_steps,
-            min_steady_seconds=cfg.min_steady_seconds, round_timeout_seconds=cfg.round_timeout_s)
-        batch_sizes = (list(cfg.batch_sizes) if cfg.batch_sizes
-                       else profiler.build_request_count_sweep(cfg.max_batch_size))
+            input_len=cfg.input_len,
+            temperature=cfg.temperature,
+            min_steady_steps=cfg.min_steady_steps,
+            min_steady_seconds=cfg.min_steady_seconds,
+            round_timeout_seconds=cfg.round_timeout_s,
+        )
+        batch_sizes = (
+            list(cfg.batch_sizes)
+            if cfg.batch_sizes
+            else profiler.build_request_count_sweep(cfg.max_batch_size)
+        )
         sglang_out = raw / "table.json"
-        profiler.profile_all(base_url=base_url, batch_sizes=batch_sizes, settings=settings,
-                             out=str(sglang_out), max_batch_tokens=cfg.max_batch_tokens,
-                             repeats=cfg.repeats, self_check=True,
-                             local_tokenizer_path=cfg.server.model_path, fracs=None, plot=False)
+        profiler.profile_all(
+            base_url=base_url,
+            batch_sizes=batch_sizes,
+            settings=settings,
+            out=str(sglang_out),
+            max_batch_tokens=cfg.max_batch_tokens,
+            repeats=cfg.repeats,
+            self_check=True,
+            local_tokenizer_path=cfg.server.model_path,
+            fracs=None,
+            plot=False,
+        )
     finally:
         _stop(child)
     table = convert_sglang_table(sglang_out)
-    save_sps_table(table, out, metadata={
-        "source": f"sglang {version} {PROFILER_MODULE} (static verify, simulated accept length 1)",
-        "model": Path(cfg.server.model_path).name, "draft": Path(cfg.server.draft_path or "").name,
-        "gamma": gamma, "gpu": gpu, "tp_size": cfg.server.tp_size, "dtype": cfg.server.dtype,
-        "batch_sizes": batch_sizes, "repeats": cfg.repeats, "sglang_raw": str(raw),
-    })
-    plot_sps_table(table, out.with_suffix(".png"),
-                   title=f"SPS (SGLang, {gpu}): {Path(cfg.server.model_path).name}")
+    save_sps_table(
+        table,
+        out,
+        metadata={
+            "source": f"sglang {version} {PROFILER_MODULE} (static verify, simulated accept length 1)",
+            "model": Path(cfg.server.model_path).name,
+            "draft": Path(cfg.server.draft_path or "").name,
+            "gamma": gamma,
+            "gpu": gpu,
+            "tp_size": cfg.server.tp_size,
+            "dtype": cfg.server.dtype,
+            "batch_sizes": batch_sizes,
+            "repeats": cfg.repeats,
+            "sglang_raw": str(raw),
+        },
+    )
+    plot_sps_table(
+        table, out.with_suffix(".png"), title=f"SPS (SGLang, {gpu}): {Path(cfg.server.model_path).name}"
+    )
     return table, out
 
 
@@ -208,8 +250,9 @@ def _wait_healthy(child: subprocess.Popen, base_url: str, timeout_s: float) -> N
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         if child.poll() is not None:
-            raise RuntimeError(f"the SGLang server exited with status {child.returncode} during start-up "
-                               "(its log is above)")
+            raise RuntimeError(
+                f"the SGLang server exited with status {child.returncode} during start-up (its log is above)"
+            )
         if _get(base_url + "/health") == 200:
             return
         time.sleep(HEALTH_POLL_S)
@@ -244,15 +287,23 @@ def _child_server(kwargs: dict[str, Any]) -> None:
 
 
 def main(argv: list[str] | None = None) -> None:
-    p = argparse.ArgumentParser(description="internal: the SGLang server child of `dspark profile "
-                                            "--backend sglang`")
+    p = argparse.ArgumentParser(
+        description="internal: the SGLang server child of `dspark profile --backend sglang`"
+    )
     p.add_argument("--child-server", required=True, help="ServerArgs kwargs as JSON")
     a = p.parse_args(argv)
     _child_server(json.loads(a.child_server))
 
 
-__all__ = ["PROFILE_ENV", "SGLANG_VERSION", "SGLangProfileConfig", "convert_sglang_table",
-           "default_sglang_profile_path", "profile_server_kwargs", "run_sglang_profile"]
+__all__ = [
+    "PROFILE_ENV",
+    "SGLANG_VERSION",
+    "SGLangProfileConfig",
+    "convert_sglang_table",
+    "default_sglang_profile_path",
+    "profile_server_kwargs",
+    "run_sglang_profile",
+]
 
 if __name__ == "__main__":
     main()

@@ -24,8 +24,9 @@ class AttentionBackend(Protocol):
 class KVPool:
     """Key/value storage for every layer, addressed by flat slot index (page * page_size + offset)."""
 
-    def __init__(self, num_layers: int, num_slots: int, num_kv_heads: int, head_dim: int,
-                 dtype: torch.dtype) -> None:
+    def __init__(
+        self, num_layers: int, num_slots: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype
+    ) -> None:
         shape = (num_layers, num_slots, num_kv_heads, head_dim)
         self.k = torch.zeros(shape, dtype=dtype)
         self.v = torch.zeros(shape, dtype=dtype)
@@ -92,18 +93,20 @@ class DenseCausalAttention:
         qb = q.view(b, s, *q.shape[1:]).transpose(1, 2)
         kb = k.view(b, s, *k.shape[1:]).transpose(1, 2)
         vb = v.view(b, s, *v.shape[1:]).transpose(1, 2)
-        out = F.scaled_dot_product_attention(qb, kb, vb, is_causal=True,
-                                             enable_gqa=qb.shape[1] != kb.shape[1])
+        out = F.scaled_dot_product_attention(
+            qb, kb, vb, is_causal=True, enable_gqa=qb.shape[1] != kb.shape[1]
+        )
         return out.transpose(1, 2).reshape(q.shape)
 
 
-def gather_slots(cache: torch.Tensor, slots: torch.Tensor,
-                 kv_range: tuple[int, int] | None = None) -> torch.Tensor:
+def gather_slots(
+    cache: torch.Tensor, slots: torch.Tensor, kv_range: tuple[int, int] | None = None
+) -> torch.Tensor:
     """cache [S, H, D] rows at slots [G, K] -> [G, K, H, D] (index_select is several times faster
     than advanced indexing on CPU; a consecutive range is a view, no copy at all)."""
     if kv_range is not None:
         start, count = kv_range
-        return cache[start: start + count].unsqueeze(0)
+        return cache[start : start + count].unsqueeze(0)
     return cache.index_select(0, slots.reshape(-1)).view(*slots.shape, *cache.shape[1:])
 
 
@@ -122,8 +125,9 @@ def _sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor)
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=q.shape[1] != k.shape[1])
 
 
-def build_group(q_index: list[torch.Tensor], kv_slots: list[torch.Tensor],
-                q_positions: list[torch.Tensor]) -> AttentionGroup:
+def build_group(
+    q_index: list[torch.Tensor], kv_slots: list[torch.Tensor], q_positions: list[torch.Tensor]
+) -> AttentionGroup:
     """Pad per-sequence query/key index tensors into one group with a causal-by-position mask.
 
     Key j of a sequence sits at position j (keys are the sequence's cache in order), so a query at

@@ -78,8 +78,11 @@ class DraftTrainOutput:
 class DraftAttention(nn.Module):
     def __init__(self, cfg: DraftConfig) -> None:
         super().__init__()
-        self.num_heads, self.num_kv_heads, self.head_dim = (cfg.num_attention_heads,
-                                                            cfg.num_key_value_heads, cfg.head_dim)
+        self.num_heads, self.num_kv_heads, self.head_dim = (
+            cfg.num_attention_heads,
+            cfg.num_key_value_heads,
+            cfg.head_dim,
+        )
         h, d, bias = cfg.hidden_size, cfg.head_dim, cfg.attention_bias
         self.q_proj = nn.Linear(h, self.num_heads * d, bias=bias)
         self.k_proj = nn.Linear(h, self.num_kv_heads * d, bias=bias)
@@ -119,14 +122,20 @@ class DSparkDrafter(nn.Module):
         super().__init__()
         tcfg = target.config
         if (cfg.hidden_size, cfg.vocab_size) != (tcfg.hidden_size, tcfg.vocab_size):
-            raise ValueError(f"drafter hidden/vocab {(cfg.hidden_size, cfg.vocab_size)} must equal the "
-                             f"target's {(tcfg.hidden_size, tcfg.vocab_size)} (shared embedding/LM head)")
+            raise ValueError(
+                f"drafter hidden/vocab {(cfg.hidden_size, cfg.vocab_size)} must equal the "
+                f"target's {(tcfg.hidden_size, tcfg.vocab_size)} (shared embedding/LM head)"
+            )
         if cfg.num_target_layers != tcfg.num_hidden_layers:
-            raise ValueError(f"drafter was built for a {cfg.num_target_layers}-layer target, "
-                             f"this target has {tcfg.num_hidden_layers} layers")
+            raise ValueError(
+                f"drafter was built for a {cfg.num_target_layers}-layer target, "
+                f"this target has {tcfg.num_hidden_layers} layers"
+            )
         if cfg.target_layer_ids[0] < 0:
-            raise ValueError("target_layer_ids containing -1 (embedding output) are not supported: "
-                             "TargetModel.forward cannot capture the embedding output")
+            raise ValueError(
+                "target_layer_ids containing -1 (embedding output) are not supported: "
+                "TargetModel.forward cannot capture the embedding output"
+            )
         self.config = cfg
         self.shared = SharedModules(target.model.embed_tokens, target.lm_head)
         self.layers = nn.ModuleList(DraftLayer(cfg) for _ in range(cfg.num_hidden_layers))
@@ -166,8 +175,9 @@ class DSparkDrafter(nn.Module):
     # ------------------------------------------------------------------ serving
 
     @torch.no_grad()
-    def write_context(self, features: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor,
-                      pool: KVPool) -> None:
+    def write_context(
+        self, features: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor, pool: KVPool
+    ) -> None:
         """Write every draft layer's context K/V for T newly committed target positions.
 
         features [T, n_layers * H] (``TargetOutput.hidden`` rows), positions [T], slots [T]: the
@@ -181,8 +191,9 @@ class DSparkDrafter(nn.Module):
             pool.v[i].index_copy_(0, slots, v.to(pool.v.dtype))
 
     @torch.no_grad()
-    def backbone(self, anchor_tokens: torch.Tensor, anchor_positions: torch.Tensor,
-                 ctx: DraftContext, pool: KVPool) -> DraftBlock:
+    def backbone(
+        self, anchor_tokens: torch.Tensor, anchor_positions: torch.Tensor, ctx: DraftContext, pool: KVPool
+    ) -> DraftBlock:
         """One parallel pass for R requests: anchor_tokens [R], anchor_positions [R] (position of
         the anchor == number of committed tokens before it), ctx from ``DraftContext``."""
         r, g = anchor_tokens.shape[0], self.gamma
@@ -192,12 +203,14 @@ class DSparkDrafter(nn.Module):
         x = self.embed(ids.reshape(-1))
         cos, sin = self.rotary_emb.cos_sin(pos, x.dtype)
         cmax = ctx.slots.shape[1]
-        key_ok = torch.cat([torch.arange(cmax)[None, :] < ctx.lens[:, None],
-                            torch.ones(r, g, dtype=torch.bool)], dim=1)
+        key_ok = torch.cat(
+            [torch.arange(cmax)[None, :] < ctx.lens[:, None], torch.ones(r, g, dtype=torch.bool)], dim=1
+        )
         mask = key_ok[:, None, None, :]  # [R, 1, 1, Cmax + g]
         hq, hkv, d = self.config.num_attention_heads, self.config.num_key_value_heads, self.config.head_dim
         kv_range = contiguous_range(ctx.slots[0]) if r == 1 else None
         for i, layer in enumerate(self.layers):
+
             def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, i: int = i) -> torch.Tensor:
                 kc = gather_slots(pool.k[i], ctx.slots, kv_range).to(k.dtype)  # [R, Cmax, Hkv, D]
                 vc = gather_slots(pool.v[i], ctx.slots, kv_range).to(v.dtype)
@@ -206,6 +219,7 @@ class DSparkDrafter(nn.Module):
                 qq = q.view(r, g, hq, d).transpose(1, 2)
                 out = F.scaled_dot_product_attention(qq, kk, vv, attn_mask=mask, enable_gqa=hq != hkv)
                 return out.transpose(1, 2).reshape(r * g, hq, d)
+
             x = layer(x, cos, sin, attend)
         h = self.norm(x).view(r, g, -1)
         return DraftBlock(hidden=h, logits=self.base_logits(h))
@@ -214,16 +228,22 @@ class DSparkDrafter(nn.Module):
         """Head state before step 1; hidden [R, H] (e.g. ``block.hidden[:, 0]``). None if stateless."""
         return None if self.markov_head is None else self.markov_head.init_state(hidden)
 
-    def head_step(self, prev_tokens: torch.Tensor, hidden: torch.Tensor,
-                  state: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor | None]:
+    def head_step(
+        self, prev_tokens: torch.Tensor, hidden: torch.Tensor, state: torch.Tensor | None
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """prev_tokens [R] (x_{k-1}; the anchor for k = 1), hidden [R, H] (h_k), state ->
         (additive logits B_k [R, V], next state). Zeros for a parallel-only drafter."""
         if self.markov_head is None:
             return hidden.new_zeros(hidden.shape[0], self.config.vocab_size), state
         return self.markov_head.step(prev_tokens, hidden, state)
 
-    def step_logits(self, base_logits: torch.Tensor, prev_tokens: torch.Tensor, hidden: torch.Tensor,
-                    state: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor | None]:
+    def step_logits(
+        self,
+        base_logits: torch.Tensor,
+        prev_tokens: torch.Tensor,
+        hidden: torch.Tensor,
+        state: torch.Tensor | None,
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """U_k + B_k: base_logits [R, V] -> (draft logits [R, V], next state)."""
         if self.markov_head is None:
             return base_logits, state
@@ -240,8 +260,9 @@ class DSparkDrafter(nn.Module):
         return self.confidence_head(hidden, emb)
 
     @torch.no_grad()
-    def greedy_draft(self, block: DraftBlock, anchor_tokens: torch.Tensor
-                     ) -> tuple[torch.Tensor, torch.Tensor | None]:
+    def greedy_draft(
+        self, block: DraftBlock, anchor_tokens: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Reference left-to-right loop at temperature 0 -> (tokens [R, g], confidence logits)."""
         state = self.init_head_state(block.hidden[:, 0])
         prev, out = anchor_tokens.long(), []
@@ -255,8 +276,9 @@ class DSparkDrafter(nn.Module):
 
     # ------------------------------------------------------------------ training
 
-    def forward_train(self, features: torch.Tensor, input_ids: torch.Tensor,
-                      anchors: torch.Tensor) -> DraftTrainOutput:
+    def forward_train(
+        self, features: torch.Tensor, input_ids: torch.Tensor, anchors: torch.Tensor
+    ) -> DraftTrainOutput:
         """All blocks of a batch in one pass.
 
         features [B, S, n_layers * H]: target features of every position; input_ids [B, S];
@@ -276,27 +298,44 @@ class DSparkDrafter(nn.Module):
         cos, sin = self.rotary_emb.cos_sin(pos.reshape(-1), x.dtype)
         ctx = self.project_context(features).reshape(b * s, -1)
         ccos, csin = self.rotary_emb.cos_sin(torch.arange(s).repeat(b), x.dtype)
-        ctx_ok = (torch.arange(s)[None, None, :] < anchors[..., None])  # [B, A, S]
+        ctx_ok = torch.arange(s)[None, None, :] < anchors[..., None]  # [B, A, S]
         ctx_ok = ctx_ok[:, None, :, None, :].expand(b, 1, a, g, s).reshape(b, 1, a * g, s)
         rep = self.config.num_attention_heads // self.config.num_key_value_heads
         for layer in self.layers:
             kc, vc = layer.self_attn.kv(ctx, ccos, csin)  # [B*S, Hkv, D]
 
-            def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                       kc: torch.Tensor = kc, vc: torch.Tensor = vc) -> torch.Tensor:
+            def attend(
+                q: torch.Tensor,
+                k: torch.Tensor,
+                v: torch.Tensor,
+                kc: torch.Tensor = kc,
+                vc: torch.Tensor = vc,
+            ) -> torch.Tensor:
                 return _train_block_attention(q, k, v, kc, vc, ctx_ok, b, a, g, s, rep)
+
             x = layer(x, cos, sin, attend)
         h = self.norm(x).view(b, a, g, -1)
         logits = self.base_logits(h)
         if self.markov_head is not None:
             logits = logits + self.markov_head.block_bias(prev, h).to(logits.dtype)
-        return DraftTrainOutput(logits=logits, confidence_logits=self.confidence_logits(h, prev),
-                                hidden=h, prev_tokens=prev)
+        return DraftTrainOutput(
+            logits=logits, confidence_logits=self.confidence_logits(h, prev), hidden=h, prev_tokens=prev
+        )
 
 
-def _train_block_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kc: torch.Tensor,
-                           vc: torch.Tensor, ctx_ok: torch.Tensor, b: int, a: int, g: int, s: int,
-                           rep: int) -> torch.Tensor:
+def _train_block_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    kc: torch.Tensor,
+    vc: torch.Tensor,
+    ctx_ok: torch.Tensor,
+    b: int,
+    a: int,
+    g: int,
+    s: int,
+    rep: int,
+) -> torch.Tensor:
     """Softmax over [context keys (masked by anchor); own block keys], without the A*g x A*g
     block-to-block score matrix. q [B*A*g, Hq, D], k/v [B*A*g, Hkv, D], kc/vc [B*S, Hkv, D]."""
     hq, d = q.shape[1], q.shape[2]
@@ -305,7 +344,7 @@ def _train_block_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kc
     vb = v.view(b, a, g, -1, d).permute(0, 3, 1, 2, 4).repeat_interleave(rep, dim=1)
     kcb = kc.view(b, s, -1, d).transpose(1, 2).repeat_interleave(rep, dim=1)  # [B, Hq, S, D]
     vcb = vc.view(b, s, -1, d).transpose(1, 2).repeat_interleave(rep, dim=1)
-    scale = d ** -0.5
+    scale = d**-0.5
     s_ctx = (qb.reshape(b, hq, a * g, d) @ kcb.transpose(-1, -2)) * scale  # [B, Hq, A*g, S]
     s_ctx = s_ctx.masked_fill(~ctx_ok, float("-inf"))
     s_blk = (qb @ kb.transpose(-1, -2)).reshape(b, hq, a * g, g) * scale

@@ -42,8 +42,9 @@ def save_drafter(drafter: DSparkDrafter, out_dir: str | Path, include_shared: bo
     cfg = drafter.config.to_hf_dict() | {"torch_dtype": dtype}
     # Written directly rather than via loader.save_module: that one drops tensors sharing storage,
     # which would lose lm_head.weight behind a tied target's embedding.
-    save_file(drafter_tensors(drafter, include_shared), str(out / "model.safetensors"),
-              metadata={"format": "pt"})
+    save_file(
+        drafter_tensors(drafter, include_shared), str(out / "model.safetensors"), metadata={"format": "pt"}
+    )
     (out / "config.json").write_text(json.dumps(cfg, indent=2) + "\n")
     return out
 
@@ -55,8 +56,9 @@ def read_draft_config(model_dir: str | Path) -> DraftConfig:
     return DraftConfig.from_hf_dict(json.loads(path.read_text()))
 
 
-def load_drafter(model_dir: str | Path, target: TargetModel, dtype: torch.dtype | None = None,
-                 check_shared: bool = True) -> DSparkDrafter:
+def load_drafter(
+    model_dir: str | Path, target: TargetModel, dtype: torch.dtype | None = None, check_shared: bool = True
+) -> DSparkDrafter:
     """Build a drafter sharing ``target``'s embedding and LM head and load its weights.
 
     Fails on missing, unexpected or misshapen tensors, on a config that does not fit the target,
@@ -75,8 +77,9 @@ def load_drafter(model_dir: str | Path, target: TargetModel, dtype: torch.dtype 
         shared = drafter.shared
         mine = shared.embed_tokens.weight if name.startswith("embed") else shared.lm_head.weight
         if stored.shape != mine.shape:
-            raise ValueError(f"shape mismatch for {name}: checkpoint {tuple(stored.shape)} vs target "
-                             f"{tuple(mine.shape)}")
+            raise ValueError(
+                f"shape mismatch for {name}: checkpoint {tuple(stored.shape)} vs target {tuple(mine.shape)}"
+            )
         if check_shared:
             _check_same_rows(name, stored, mine)
     load_state(drafter, tensors, ignore=IGNORED_PREFIXES)
@@ -90,5 +93,7 @@ def _check_same_rows(name: str, stored: torch.Tensor, mine: torch.Tensor, rows: 
     idx = torch.linspace(0, mine.shape[0] - 1, min(rows, mine.shape[0])).long()
     a, b = stored[idx].float(), mine.detach()[idx].float()
     if not torch.allclose(a, b, rtol=1e-2, atol=1e-2 * float(b.abs().max()) + 1e-6):
-        raise ValueError(f"checkpoint {name} differs from the target's: the drafter was trained for "
-                         "another target model (pass check_shared=False to load anyway)")
+        raise ValueError(
+            f"checkpoint {name} differs from the target's: the drafter was trained for "
+            "another target model (pass check_shared=False to load anyway)"
+        )

@@ -18,8 +18,13 @@ from dspark_server.config import ModelConfig, RopeScaling
 
 # DeepSpec's names; "vanilla" is the paper's Markov head.
 MARKOV_HEAD_TYPES: tuple[str, ...] = ("vanilla", "gated", "rnn")
-HEAD_TYPE_ALIASES: dict[str, str] = {"markov": "vanilla", "vanilla": "vanilla", "gated": "gated",
-                                     "rnn": "rnn", "none": "none"}
+HEAD_TYPE_ALIASES: dict[str, str] = {
+    "markov": "vanilla",
+    "vanilla": "vanilla",
+    "gated": "gated",
+    "rnn": "rnn",
+    "none": "none",
+}
 # Architectures SGLang 0.5.23 serves as a dense DSpark drafter; DeepSpec writes the first one.
 DRAFT_ARCHITECTURES: tuple[str, ...] = ("Qwen3DSparkModel", "DSparkDraftModel", "LingDSparkModel")
 
@@ -60,16 +65,19 @@ class DraftConfig:
         if self.markov_rank < 0:
             raise ValueError(f"markov_rank must be >= 0, got {self.markov_rank}")
         if self.markov_rank > 0 and self.markov_head_type not in MARKOV_HEAD_TYPES:
-            raise ValueError(f"markov_head_type must be one of {MARKOV_HEAD_TYPES}, "
-                             f"got {self.markov_head_type!r}")
+            raise ValueError(
+                f"markov_head_type must be one of {MARKOV_HEAD_TYPES}, got {self.markov_head_type!r}"
+            )
         if self.enable_confidence_head and self.confidence_head_with_markov and self.markov_rank == 0:
             raise ValueError("confidence_head_with_markov needs a Markov head (markov_rank > 0)")
         ids = self.target_layer_ids
         if not ids or any(b <= a for a, b in zip(ids[:-1], ids[1:], strict=True)):
             raise ValueError(f"target_layer_ids must be non-empty and strictly increasing, got {ids}")
         if ids[0] < -1 or ids[-1] >= self.num_target_layers:
-            raise ValueError(f"target_layer_ids {ids} out of range for {self.num_target_layers} "
-                             "target layers (-1 denotes the embedding output)")
+            raise ValueError(
+                f"target_layer_ids {ids} out of range for {self.num_target_layers} "
+                "target layers (-1 denotes the embedding output)"
+            )
         if not 0 <= self.mask_token_id < self.vocab_size:
             raise ValueError(f"mask_token_id {self.mask_token_id} outside vocab {self.vocab_size}")
         if self.num_attention_heads % self.num_key_value_heads:
@@ -94,11 +102,22 @@ class DraftConfig:
     # ---------------------------------------------------------------- construction
 
     @classmethod
-    def from_target(cls, target: ModelConfig, *, mask_token_id: int, num_layers: int = 1,
-                    target_layer_ids: tuple[int, ...] | None = None, num_features: int = 5,
-                    gamma: int = 7, head_type: str = "markov", markov_rank: int = 256,
-                    confidence: bool = True, intermediate_size: int | None = None,
-                    num_anchors: int = 512, torch_dtype: str = "float32") -> DraftConfig:
+    def from_target(
+        cls,
+        target: ModelConfig,
+        *,
+        mask_token_id: int,
+        num_layers: int = 1,
+        target_layer_ids: tuple[int, ...] | None = None,
+        num_features: int = 5,
+        gamma: int = 7,
+        head_type: str = "markov",
+        markov_rank: int = 256,
+        confidence: bool = True,
+        intermediate_size: int | None = None,
+        num_anchors: int = 512,
+        torch_dtype: str = "float32",
+    ) -> DraftConfig:
         """A new drafter for ``target`` (DeepSpec: a copy of the target config, draft depth set)."""
         head = HEAD_TYPE_ALIASES.get(head_type.lower())
         if head is None:
@@ -106,17 +125,28 @@ class DraftConfig:
         rank = 0 if head == "none" else markov_rank
         ids = target_layer_ids or default_target_layer_ids(target.num_hidden_layers, num_features)
         return cls(
-            vocab_size=target.vocab_size, hidden_size=target.hidden_size,
+            vocab_size=target.vocab_size,
+            hidden_size=target.hidden_size,
             intermediate_size=intermediate_size or target.intermediate_size,
-            num_hidden_layers=num_layers, num_attention_heads=target.num_attention_heads,
-            num_key_value_heads=target.num_key_value_heads, head_dim=target.head_dim,
-            target_layer_ids=tuple(ids), num_target_layers=target.num_hidden_layers,
-            mask_token_id=mask_token_id, gamma=gamma, markov_rank=rank,
+            num_hidden_layers=num_layers,
+            num_attention_heads=target.num_attention_heads,
+            num_key_value_heads=target.num_key_value_heads,
+            head_dim=target.head_dim,
+            target_layer_ids=tuple(ids),
+            num_target_layers=target.num_hidden_layers,
+            mask_token_id=mask_token_id,
+            gamma=gamma,
+            markov_rank=rank,
             markov_head_type="vanilla" if head == "none" else head,
-            enable_confidence_head=confidence, confidence_head_with_markov=confidence and rank > 0,
-            num_anchors=num_anchors, rms_norm_eps=target.rms_norm_eps, rope_theta=target.rope_theta,
-            rope_scaling=target.rope_scaling, max_position_embeddings=target.max_position_embeddings,
-            attention_bias=target.attention_bias, torch_dtype=torch_dtype,
+            enable_confidence_head=confidence,
+            confidence_head_with_markov=confidence and rank > 0,
+            num_anchors=num_anchors,
+            rms_norm_eps=target.rms_norm_eps,
+            rope_theta=target.rope_theta,
+            rope_scaling=target.rope_scaling,
+            max_position_embeddings=target.max_position_embeddings,
+            attention_bias=target.attention_bias,
+            torch_dtype=torch_dtype,
         )
 
     @classmethod
@@ -132,8 +162,9 @@ class DraftConfig:
         archs = raw.get("architectures") or [DRAFT_ARCHITECTURES[0]]
         arch = str(archs[0])
         if arch not in DRAFT_ARCHITECTURES:
-            raise ValueError(f"not a dense DSpark drafter: architectures={archs} "
-                             f"(expected one of {DRAFT_ARCHITECTURES})")
+            raise ValueError(
+                f"not a dense DSpark drafter: architectures={archs} (expected one of {DRAFT_ARCHITECTURES})"
+            )
         block = get("block_size")
         ids = get("target_layer_ids")
         mask_id = raw.get("dspark_noise_token_id")  # SGLang: the prefixed form wins
@@ -152,19 +183,28 @@ class DraftConfig:
         hidden = int(raw["hidden_size"])
         rope = ModelConfig.from_hf_dict({**raw, "model_type": "qwen3", "architectures": []})
         return cls(
-            vocab_size=int(raw["vocab_size"]), hidden_size=hidden,
+            vocab_size=int(raw["vocab_size"]),
+            hidden_size=hidden,
             intermediate_size=int(raw["intermediate_size"]),
-            num_hidden_layers=int(raw["num_hidden_layers"]), num_attention_heads=heads,
+            num_hidden_layers=int(raw["num_hidden_layers"]),
+            num_attention_heads=heads,
             num_key_value_heads=int(raw.get("num_key_value_heads") or heads),
             head_dim=int(raw.get("head_dim") or hidden // heads),
             target_layer_ids=tuple(int(i) for i in ids),
             num_target_layers=int(get("num_target_layers", max(int(i) for i in ids) + 1)),
-            mask_token_id=int(mask_id), gamma=int(block), markov_rank=rank,
-            markov_head_type=str(head or "vanilla").lower(), enable_confidence_head=conf,
-            confidence_head_with_markov=with_markov, num_anchors=int(get("num_anchors", 512)),
-            rms_norm_eps=rope.rms_norm_eps, rope_theta=rope.rope_theta, rope_scaling=rope.rope_scaling,
+            mask_token_id=int(mask_id),
+            gamma=int(block),
+            markov_rank=rank,
+            markov_head_type=str(head or "vanilla").lower(),
+            enable_confidence_head=conf,
+            confidence_head_with_markov=with_markov,
+            num_anchors=int(get("num_anchors", 512)),
+            rms_norm_eps=rope.rms_norm_eps,
+            rope_theta=rope.rope_theta,
+            rope_scaling=rope.rope_scaling,
             max_position_embeddings=rope.max_position_embeddings,
-            attention_bias=bool(raw.get("attention_bias", False)), architecture=arch,
+            attention_bias=bool(raw.get("attention_bias", False)),
+            architecture=arch,
             torch_dtype=str(raw.get("torch_dtype") or raw.get("dtype") or "float32"),
         )
 
@@ -224,6 +264,10 @@ def default_target_layer_ids(num_target_layers: int, num_features: int = 5) -> t
 def _rope_scaling_dict(s: RopeScaling | None) -> dict[str, Any] | None:
     if s is None:
         return None
-    return {"rope_type": "llama3", "factor": s.factor, "low_freq_factor": s.low_freq_factor,
-            "high_freq_factor": s.high_freq_factor,
-            "original_max_position_embeddings": s.original_max_position_embeddings}
+    return {
+        "rope_type": "llama3",
+        "factor": s.factor,
+        "low_freq_factor": s.low_freq_factor,
+        "high_freq_factor": s.high_freq_factor,
+        "original_max_position_embeddings": s.original_max_position_embeddings,
+    }

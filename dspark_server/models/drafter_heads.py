@@ -38,23 +38,28 @@ class MarkovHead(nn.Module):
         """State before step 1 for hidden [R, H] (None for stateless heads)."""
         return None
 
-    def latent(self, prev_emb: torch.Tensor, hidden: torch.Tensor,
-               state: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor | None]:
+    def latent(
+        self, prev_emb: torch.Tensor, hidden: torch.Tensor, state: torch.Tensor | None
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """The rank-r vector W2 is applied to, and the next state."""
         return prev_emb, state
 
-    def step(self, prev_tokens: torch.Tensor, hidden: torch.Tensor,
-             state: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor | None]:
+    def step(
+        self, prev_tokens: torch.Tensor, hidden: torch.Tensor, state: torch.Tensor | None
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """prev_tokens [R], hidden [R, H] -> (bias [R, V], next state)."""
-        z, state = self.latent(self.prev_embed(prev_tokens), hidden.to(self.markov_w1.weight.dtype),
-                               state)
+        z, state = self.latent(self.prev_embed(prev_tokens), hidden.to(self.markov_w1.weight.dtype), state)
         return self.markov_w2(z), state
 
-    def step_logits(self, base_logits: torch.Tensor, prev_tokens: torch.Tensor, hidden: torch.Tensor,
-                    state: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor | None]:
+    def step_logits(
+        self,
+        base_logits: torch.Tensor,
+        prev_tokens: torch.Tensor,
+        hidden: torch.Tensor,
+        state: torch.Tensor | None,
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """base [R, V] + bias in one fused GEMM (no separate [R, V] add) -> (logits, next state)."""
-        z, state = self.latent(self.prev_embed(prev_tokens), hidden.to(self.markov_w1.weight.dtype),
-                               state)
+        z, state = self.latent(self.prev_embed(prev_tokens), hidden.to(self.markov_w1.weight.dtype), state)
         w2 = self.markov_w2.weight
         if base_logits.dtype == w2.dtype and base_logits.dim() == 2:
             return torch.addmm(base_logits, z, w2.t()), state
@@ -82,8 +87,9 @@ class GatedMarkovHead(MarkovHead):
         super().__init__(vocab_size, rank)
         self.gate_proj = nn.Linear(hidden_size + rank, rank)
 
-    def latent(self, prev_emb: torch.Tensor, hidden: torch.Tensor,
-               state: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor | None]:
+    def latent(
+        self, prev_emb: torch.Tensor, hidden: torch.Tensor, state: torch.Tensor | None
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
         gate = torch.sigmoid(self.gate_proj(torch.cat([hidden, prev_emb], dim=-1)))
         return gate * prev_emb, state
 
@@ -99,8 +105,9 @@ class RNNHead(MarkovHead):
     def init_state(self, hidden: torch.Tensor) -> torch.Tensor:
         return hidden.new_zeros(*hidden.shape[:-1], self.rank, dtype=self.markov_w1.weight.dtype)
 
-    def latent(self, prev_emb: torch.Tensor, hidden: torch.Tensor,
-               state: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor | None]:
+    def latent(
+        self, prev_emb: torch.Tensor, hidden: torch.Tensor, state: torch.Tensor | None
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
         assert state is not None, "RNNHead needs the state from init_state"
         g, c, o = self.joint_proj(torch.cat([state, prev_emb, hidden], dim=-1)).chunk(3, dim=-1)
         gate = torch.sigmoid(g)

@@ -33,9 +33,9 @@ def fuse_linears(*linears: nn.Linear) -> tuple[torch.Tensor, torch.Tensor | None
     row = 0
     for lin in linears:
         n = lin.weight.shape[0]
-        lin.weight.data = weight[row: row + n]
+        lin.weight.data = weight[row : row + n]
         if bias is not None and lin.bias is not None:
-            lin.bias.data = bias[row: row + n]
+            lin.bias.data = bias[row : row + n]
         row += n
     return weight, bias
 

@@ -14,10 +14,13 @@ from dspark_server.config import ModelConfig
 from dspark_server.models.target import TargetModel
 
 DTYPES: dict[str, torch.dtype] = {
-    "float32": torch.float32, "fp32": torch.float32,
+    "float32": torch.float32,
+    "fp32": torch.float32,
     "float64": torch.float64,
-    "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
-    "float16": torch.float16, "fp16": torch.float16,
+    "bfloat16": torch.bfloat16,
+    "bf16": torch.bfloat16,
+    "float16": torch.float16,
+    "fp16": torch.float16,
 }
 
 
@@ -51,13 +54,15 @@ def load_state(module: nn.Module, tensors: dict[str, torch.Tensor], ignore: tupl
     missing = [k for k in own if k not in tensors]
     unexpected = [k for k in tensors if k not in own and not k.startswith(ignore)]
     if missing or unexpected:
-        raise ValueError(f"checkpoint does not match the model: missing={missing[:8]} "
-                         f"unexpected={unexpected[:8]}")
+        raise ValueError(
+            f"checkpoint does not match the model: missing={missing[:8]} unexpected={unexpected[:8]}"
+        )
     for name, param in own.items():
         src = tensors[name]
         if src.shape != param.shape:
-            raise ValueError(f"shape mismatch for {name}: checkpoint {tuple(src.shape)} "
-                             f"vs model {tuple(param.shape)}")
+            raise ValueError(
+                f"shape mismatch for {name}: checkpoint {tuple(src.shape)} vs model {tuple(param.shape)}"
+            )
         with torch.no_grad():
             param.copy_(src.to(param.dtype))
 
@@ -76,8 +81,9 @@ def load_target(model_dir: str | Path, dtype: torch.dtype = torch.float32) -> Ta
     return model
 
 
-def save_module(module: nn.Module, out_dir: str | Path, config: dict[str, Any],
-                skip: tuple[str, ...] = ()) -> None:
+def save_module(
+    module: nn.Module, out_dir: str | Path, config: dict[str, Any], skip: tuple[str, ...] = ()
+) -> None:
     """Write ``config.json`` and ``model.safetensors`` (shared storage written once)."""
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)

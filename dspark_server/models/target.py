@@ -45,8 +45,9 @@ class SelfAttention(nn.Module):
         """Inference: q, k and v projections as one GEMM (call once the weights are loaded)."""
         self._qkv = fuse_linears(self.q_proj, self.k_proj, self.v_proj)
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, layer: int,
-                attn: AttentionBackend) -> torch.Tensor:
+    def forward(
+        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, layer: int, attn: AttentionBackend
+    ) -> torch.Tensor:
         t = x.shape[0]
         if self._qkv is not None and not torch.is_grad_enabled():
             kv = self.num_kv_heads * self.head_dim
@@ -71,8 +72,9 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, layer: int,
-                attn: AttentionBackend) -> torch.Tensor:
+    def forward(
+        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, layer: int, attn: AttentionBackend
+    ) -> torch.Tensor:
         x = x + self.self_attn(self.input_layernorm(x), cos, sin, layer, attn)
         return x + self.mlp(self.post_attention_layernorm(x))
 

@@ -31,7 +31,8 @@ class Tokenizer:
         env.globals["raise_exception"] = _raise
         self._template = env.from_string(self.chat_template) if self.chat_template else None
         self.special_ids: frozenset[int] = frozenset(
-            i for i, t in self._tok.get_added_tokens_decoder().items() if t.special)
+            i for i, t in self._tok.get_added_tokens_decoder().items() if t.special
+        )
 
     @property
     def vocab_size(self) -> int:
@@ -51,8 +52,12 @@ class Tokenizer:
             # No template: plain "role: content" lines, so base models still answer something.
             lines = [f"{m['role']}: {m['content']}" for m in messages]
             return "\n".join(lines) + ("\nassistant:" if add_generation_prompt else "")
-        return self._template.render(messages=messages, add_generation_prompt=add_generation_prompt,
-                                     bos_token=self.bos_token or "", eos_token=self.eos_token or "")
+        return self._template.render(
+            messages=messages,
+            add_generation_prompt=add_generation_prompt,
+            bos_token=self.bos_token or "",
+            eos_token=self.eos_token or "",
+        )
 
     def encode_chat(self, messages: list[dict[str, Any]]) -> list[int]:
         return self.encode(self.apply_chat_template(messages))
@@ -76,16 +81,16 @@ class IncrementalDetokenizer:
 
     def __init__(self, tokenizer: Tokenizer, prompt_ids: list[int] | None = None) -> None:
         self.tokenizer = tokenizer
-        self.ids: list[int] = list(prompt_ids[-self.CONTEXT:]) if prompt_ids else []
+        self.ids: list[int] = list(prompt_ids[-self.CONTEXT :]) if prompt_ids else []
         self.prefix_offset = 0
         self.read_offset = len(self.ids)
 
     def push(self, new_ids: list[int]) -> str:
         self.ids.extend(new_ids)
-        prefix_text = self.tokenizer.decode(self.ids[self.prefix_offset:self.read_offset])
-        full_text = self.tokenizer.decode(self.ids[self.prefix_offset:])
+        prefix_text = self.tokenizer.decode(self.ids[self.prefix_offset : self.read_offset])
+        full_text = self.tokenizer.decode(self.ids[self.prefix_offset :])
         if len(full_text) > len(prefix_text) and not full_text.endswith("\ufffd"):
-            delta = full_text[len(prefix_text):]
+            delta = full_text[len(prefix_text) :]
             self.prefix_offset = max(0, len(self.ids) - self.CONTEXT)
             self.read_offset = len(self.ids)
             return delta
@@ -93,7 +98,7 @@ class IncrementalDetokenizer:
 
     def flush(self) -> str:
         """Whatever is still held back (e.g. a truncated character at the end of the output)."""
-        prefix_text = self.tokenizer.decode(self.ids[self.prefix_offset:self.read_offset])
-        full_text = self.tokenizer.decode(self.ids[self.prefix_offset:])
+        prefix_text = self.tokenizer.decode(self.ids[self.prefix_offset : self.read_offset])
+        full_text = self.tokenizer.decode(self.ids[self.prefix_offset :])
         self.prefix_offset = self.read_offset = len(self.ids)
-        return full_text[len(prefix_text):]
+        return full_text[len(prefix_text) :]

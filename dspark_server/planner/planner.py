@@ -104,8 +104,9 @@ def steps_per_sec(table: SpsCostTable, start: int, count: int, overhead_s: float
     return sps if overhead_s <= 0.0 else 1.0 / (overhead_s + 1.0 / sps)
 
 
-def _summary(surv_pm: np.ndarray, lens: np.ndarray, table: SpsCostTable | None,
-             overhead_s: float = 0.0) -> tuple[int, float, float]:
+def _summary(
+    surv_pm: np.ndarray, lens: np.ndarray, table: SpsCostTable | None, overhead_s: float = 0.0
+) -> tuple[int, float, float]:
     gamma, num_requests = surv_pm.shape
     prefix_sums = np.zeros((gamma + 1, num_requests))
     np.cumsum(surv_pm, axis=0, dtype=np.float64, out=prefix_sums[1:])
@@ -245,8 +246,9 @@ class DSparkPlanner(VerifyPlanner):
         )
 
 
-def _budget_from_pm(surv_pm: np.ndarray, table: SpsCostTable, survival_eps: float,
-                    overhead_s: float = 0.0) -> tuple[int, float]:
+def _budget_from_pm(
+    surv_pm: np.ndarray, table: SpsCostTable, survival_eps: float, overhead_s: float = 0.0
+) -> tuple[int, float]:
     num_requests = surv_pm.shape[1]
     cand = surv_pm.reshape(-1)
     ranked = np.sort(cand[cand >= survival_eps].astype(np.float64))[::-1]

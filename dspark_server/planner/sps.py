@@ -255,8 +255,9 @@ def fit_roofline(table: SpsCostTable) -> SpsCostTable:
     _, t0, c, knee = best
     dense = np.arange(1, table.max_batch_tokens + 1, dtype=np.float64)
     seconds = t0 + c * np.maximum(0.0, dense - knee)
-    return SpsCostTable(tuple(range(1, table.max_batch_tokens + 1)), tuple((1.0 / seconds).tolist()),
-                        table.max_batch_tokens)
+    return SpsCostTable(
+        tuple(range(1, table.max_batch_tokens + 1)), tuple((1.0 / seconds).tolist()), table.max_batch_tokens
+    )
 
 
 def probe_batch_sizes(max_batch_tokens: int) -> list[int]:

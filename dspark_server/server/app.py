@@ -47,8 +47,9 @@ RETRY_AFTER_QUEUE_FULL_S = 1
 RETRY_AFTER_UNAVAILABLE_S = 5
 _LARGE_TEXT_CHARS = 20_000  # tokenize longer inputs off the event loop
 
-_RETRY_AFTER_HEADER = {"Retry-After": {"description": "seconds to wait before retrying",
-                                       "schema": {"type": "string"}}}
+_RETRY_AFTER_HEADER = {
+    "Retry-After": {"description": "seconds to wait before retrying", "schema": {"type": "string"}}
+}
 
 
 def _error_responses(*codes: int) -> dict[int | str, dict[str, Any]]:
@@ -77,8 +78,11 @@ _ERROR_DESCRIPTIONS = {
 def create_app(backend: Backend | None, cfg: ServerConfig, model_name: str) -> FastAPI:
     """The app; ``backend`` may be None while the model loads (attach it later with
     ``app.state.dspark.attach(backend)``): until then ``/ready`` and ``/v1/*`` answer 503."""
-    app = FastAPI(title="dspark-server", version="0.1.0",
-                  description="OpenAI-compatible server with DSpark speculative decoding")
+    app = FastAPI(
+        title="dspark-server",
+        version="0.1.0",
+        description="OpenAI-compatible server with DSpark speculative decoding",
+    )
     state = ServerState(cfg, model_name, Metrics(lambda: state))
     if backend is not None:
         state.attach(backend)
@@ -103,8 +107,9 @@ def create_app(backend: Backend | None, cfg: ServerConfig, model_name: str) -> F
     @app.exception_handler(StarletteHTTPException)
     async def http_error(_: Request, exc: StarletteHTTPException) -> Response:
         type_ = "invalid_request_error" if exc.status_code < 500 else "internal_error"
-        return error_response(APIError(exc.status_code, str(exc.detail), type_,
-                               headers=dict(exc.headers or {})))
+        return error_response(
+            APIError(exc.status_code, str(exc.detail), type_, headers=dict(exc.headers or {}))
+        )
 
     @app.exception_handler(Exception)
     async def internal_error(_: Request, exc: Exception) -> Response:
@@ -115,18 +120,31 @@ def create_app(backend: Backend | None, cfg: ServerConfig, model_name: str) -> F
     async def health() -> HealthResponse:
         return HealthResponse()
 
-    @app.get("/ready", response_model=ReadyResponse, responses=_error_responses(503),
-             summary="Readiness: the engine is up and the server is not draining")
+    @app.get(
+        "/ready",
+        response_model=ReadyResponse,
+        responses=_error_responses(503),
+        summary="Readiness: the engine is up and the server is not draining",
+    )
     async def ready() -> Response:
         if not state.ready:
             reason = "draining" if state.draining else "loading"
-            return error_response(APIError(503, f"server is {reason}", "service_unavailable",
-                                   code=f"server_{reason}"))
+            return error_response(
+                APIError(503, f"server is {reason}", "service_unavailable", code=f"server_{reason}")
+            )
         return JSONResponse(ReadyResponse().model_dump())
 
-    @app.get("/metrics", response_class=Response, summary="Prometheus metrics",
-             responses={200: {"content": {"text/plain": {"schema": {"type": "string"}}},
-                              "description": "Prometheus text exposition format"}})
+    @app.get(
+        "/metrics",
+        response_class=Response,
+        summary="Prometheus metrics",
+        responses={
+            200: {
+                "content": {"text/plain": {"schema": {"type": "string"}}},
+                "description": "Prometheus text exposition format",
+            }
+        },
+    )
     async def metrics() -> Response:
         body, content_type = state.metrics.render()
         return Response(body, media_type=content_type)
@@ -138,40 +156,74 @@ def create_app(backend: Backend | None, cfg: ServerConfig, model_name: str) -> F
 
     post_responses: dict[int | str, dict[str, Any]] = _error_responses(400, 401, 404, 413, 429, 503)
 
-    @app.post("/v1/chat/completions", response_model=None,
-              responses={200: {"model": ChatCompletionResponse, "description": "JSON, or SSE when "
-                               "stream is true", "content": _SSE_CONTENT}, **post_responses})
+    @app.post(
+        "/v1/chat/completions",
+        response_model=None,
+        responses={
+            200: {
+                "model": ChatCompletionResponse,
+                "description": "JSON, or SSE when stream is true",
+                "content": _SSE_CONTENT,
+            },
+            **post_responses,
+        },
+    )
     async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
         backend = _check_serving(state, body.model)
         messages = [{"role": m.role, "content": m.text()} for m in body.messages]
         size = sum(len(m["content"]) for m in messages)
-        prompt_ids = await _tokenize(lambda: backend.tokenizer.encode_chat(messages), size,
-                                     "cannot apply the chat template", "messages")
+        prompt_ids = await _tokenize(
+            lambda: backend.tokenizer.encode_chat(messages),
+            size,
+            "cannot apply the chat template",
+            "messages",
+        )
         if not prompt_ids:
             raise APIError(400, "the prompt is empty", param="messages")
         max_tokens = body.max_completion_tokens or body.max_tokens
-        return await _serve(state, request, body, prompt_ids, max_tokens,
-                            ChatFormatter(new_id("chatcmpl"), model_name))
+        return await _serve(
+            state, request, body, prompt_ids, max_tokens, ChatFormatter(new_id("chatcmpl"), model_name)
+        )
 
-    @app.post("/v1/completions", response_model=None,
-              responses={200: {"model": CompletionResponse, "description": "JSON, or SSE when "
-                               "stream is true", "content": _SSE_CONTENT}, **post_responses})
+    @app.post(
+        "/v1/completions",
+        response_model=None,
+        responses={
+            200: {
+                "model": CompletionResponse,
+                "description": "JSON, or SSE when stream is true",
+                "content": _SSE_CONTENT,
+            },
+            **post_responses,
+        },
+    )
     async def completions(body: CompletionRequest, request: Request) -> Response:
         backend = _check_serving(state, body.model)
         prompt_ids = await _completion_prompt(backend, body.prompt)
-        return await _serve(state, request, body, prompt_ids, body.max_tokens,
-                            CompletionFormatter(new_id("cmpl"), model_name))
+        return await _serve(
+            state, request, body, prompt_ids, body.max_tokens, CompletionFormatter(new_id("cmpl"), model_name)
+        )
 
     app.openapi = lambda: _openapi(app, cfg)  # type: ignore[method-assign]
     return app
 
 
 # OpenAPI < 3.2: the schema of an event-stream media type describes one event.
-_SSE_CONTENT = {"text/event-stream": {"schema": {
-    "type": "object", "required": ["data"],
-    "description": "one server-sent event: data is a chunk object as JSON text, or [DONE] last",
-    "properties": {"data": {"type": "string"}, "event": {"type": "string"}, "id": {"type": "string"},
-                   "retry": {"type": "integer"}}}}}
+_SSE_CONTENT = {
+    "text/event-stream": {
+        "schema": {
+            "type": "object",
+            "required": ["data"],
+            "description": "one server-sent event: data is a chunk object as JSON text, or [DONE] last",
+            "properties": {
+                "data": {"type": "string"},
+                "event": {"type": "string"},
+                "id": {"type": "string"},
+                "retry": {"type": "integer"},
+            },
+        }
+    }
+}
 
 
 def _openapi(app: FastAPI, cfg: ServerConfig) -> dict[str, Any]:
@@ -179,8 +231,7 @@ def _openapi(app: FastAPI, cfg: ServerConfig) -> dict[str, Any]:
     an API key is configured, with the Bearer scheme on /v1/*."""
     if app.openapi_schema:
         return app.openapi_schema
-    schema = get_openapi(title=app.title, version=app.version, description=app.description,
-                         routes=app.routes)
+    schema = get_openapi(title=app.title, version=app.version, description=app.description, routes=app.routes)
     for path, item in schema.get("paths", {}).items():
         for op in item.values():
             op.get("responses", {}).pop("422", None)
@@ -197,12 +248,20 @@ def _openapi(app: FastAPI, cfg: ServerConfig) -> dict[str, Any]:
 
 def _check_serving(state: ServerState, model: str | None) -> Backend:
     if model and model != state.model_name:
-        raise APIError(404, f"The model `{model}` does not exist (this server serves "
-                            f"`{state.model_name}`).", param="model", code="model_not_found")
+        raise APIError(
+            404,
+            f"The model `{model}` does not exist (this server serves `{state.model_name}`).",
+            param="model",
+            code="model_not_found",
+        )
     if not state.ready or state.backend is None:
         reason = "shutting down" if state.draining else "loading the model"
-        raise APIError(503, f"the server is {reason}; retry later", "service_unavailable",
-                       headers={"Retry-After": str(RETRY_AFTER_UNAVAILABLE_S)})
+        raise APIError(
+            503,
+            f"the server is {reason}; retry later",
+            "service_unavailable",
+            headers={"Retry-After": str(RETRY_AFTER_UNAVAILABLE_S)},
+        )
     return state.backend
 
 
@@ -221,18 +280,29 @@ async def _completion_prompt(backend: Backend, prompt: Any) -> list[int]:
     if isinstance(prompt, str):
         if not prompt:
             raise APIError(400, "the prompt is empty", param="prompt")
-        return await _tokenize(lambda: backend.tokenizer.encode(prompt), len(prompt),
-                               "cannot tokenize the prompt", "prompt")
+        return await _tokenize(
+            lambda: backend.tokenizer.encode(prompt), len(prompt), "cannot tokenize the prompt", "prompt"
+        )
     if isinstance(prompt, list) and prompt and all(isinstance(x, int) for x in prompt):
         return list(prompt)
     if isinstance(prompt, list) and not prompt:
         raise APIError(400, "the prompt is empty", param="prompt")
-    raise APIError(400, "prompt must be a string, a list of token ids, or a list holding exactly one "
-                        "of those (batched prompts are not supported)", param="prompt")
+    raise APIError(
+        400,
+        "prompt must be a string, a list of token ids, or a list holding exactly one "
+        "of those (batched prompts are not supported)",
+        param="prompt",
+    )
 
 
-async def _serve(state: ServerState, request: Request, body: ChatCompletionRequest | CompletionRequest,
-                 prompt_ids: list[int], max_tokens: int | None, fmt: Formatter) -> Response:
+async def _serve(
+    state: ServerState,
+    request: Request,
+    body: ChatCompletionRequest | CompletionRequest,
+    prompt_ids: list[int],
+    max_tokens: int | None,
+    fmt: Formatter,
+) -> Response:
     backend = state.backend
     assert backend is not None
     if max_tokens is None:
@@ -242,16 +312,27 @@ async def _serve(state: ServerState, request: Request, body: ChatCompletionReque
     top_p = 1.0 if body.top_p is None else body.top_p
     try:
         params = SamplingParams(
-            temperature=temperature, top_p=top_p,
-            top_k=body.top_k or 0, seed=body.seed, max_tokens=max_tokens, stop=body.stop_list(),
-            stop_token_ids=tuple(body.stop_token_ids or ()), ignore_eos=bool(body.ignore_eos))
+            temperature=temperature,
+            top_p=top_p,
+            top_k=body.top_k or 0,
+            seed=body.seed,
+            max_tokens=max_tokens,
+            stop=body.stop_list(),
+            stop_token_ids=tuple(body.stop_token_ids or ()),
+            ignore_eos=bool(body.ignore_eos),
+        )
         stream = backend.generate(fmt.response_id, prompt_ids, params)
     except InvalidRequestError as exc:
         code = "context_length_exceeded" if "context length" in str(exc) else None
         raise APIError(400, str(exc), param=exc.param, code=code) from exc
     except QueueFullError as exc:
-        raise APIError(429, f"the server is at capacity ({exc}); retry later", "rate_limit_error",
-                       code="queue_full", headers={"Retry-After": str(RETRY_AFTER_QUEUE_FULL_S)}) from exc
+        raise APIError(
+            429,
+            f"the server is at capacity ({exc}); retry later",
+            "rate_limit_error",
+            code="queue_full",
+            headers={"Retry-After": str(RETRY_AFTER_QUEUE_FULL_S)},
+        ) from exc
     if body.stream:
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
         return EngineSSEResponse(_sse(stream, fmt, include_usage), stream)
@@ -283,8 +364,11 @@ class EngineSSEResponse(StreamingResponse):
     request is aborted at once, not when the next chunk fails to send."""
 
     def __init__(self, events: AsyncIterator[str], stream: RequestStream) -> None:
-        super().__init__(events, media_type="text/event-stream",
-                         headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+        super().__init__(
+            events,
+            media_type="text/event-stream",
+            headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
+        )
         self._events = events
         self._stream = stream
 
@@ -292,8 +376,9 @@ class EngineSSEResponse(StreamingResponse):
         watcher = asyncio.ensure_future(_wait_disconnect(receive))
         events = self._events.__aiter__()
         try:
-            await send({"type": "http.response.start", "status": self.status_code,
-                        "headers": self.raw_headers})
+            await send(
+                {"type": "http.response.start", "status": self.status_code, "headers": self.raw_headers}
+            )
             while True:
                 nxt = asyncio.ensure_future(events.__anext__())
                 done, _ = await asyncio.wait({nxt, watcher}, return_when=asyncio.FIRST_COMPLETED)

@@ -98,15 +98,20 @@ class Guard:
         given = Headers(scope=scope).get("authorization", "")
         if hmac.compare_digest(given.encode("utf-8", "replace"), f"Bearer {key}".encode()):
             return None
-        return APIError(401, "Invalid or missing API key (send 'Authorization: Bearer <key>').",
-                        "authentication_error", code="invalid_api_key",
-                        headers={"WWW-Authenticate": "Bearer"})
+        return APIError(
+            401,
+            "Invalid or missing API key (send 'Authorization: Bearer <key>').",
+            "authentication_error",
+            code="invalid_api_key",
+            headers={"WWW-Authenticate": "Bearer"},
+        )
 
     async def _limit_body(self, scope: Scope, receive: Receive) -> tuple[APIError | None, Receive | None]:
         """(413 error or None, a receive that replays the body; None if the client left)."""
         limit = self.state.cfg.max_body_bytes
-        too_large = APIError(413, f"Request body exceeds the limit of {limit} bytes.",
-                             code="request_too_large")
+        too_large = APIError(
+            413, f"Request body exceeds the limit of {limit} bytes.", code="request_too_large"
+        )
         length = Headers(scope=scope).get("content-length")
         if length is not None and length.strip().isdigit() and int(length) > limit:
             return too_large, receive
@@ -147,5 +152,6 @@ def _error_bytes(exc: APIError) -> bytes:
 
 
 def error_response(exc: APIError) -> Response:
-    return Response(_error_bytes(exc), status_code=exc.status, headers=exc.headers,
-                    media_type="application/json")
+    return Response(
+        _error_bytes(exc), status_code=exc.status, headers=exc.headers, media_type="application/json"
+    )

@@ -29,8 +29,24 @@ if TYPE_CHECKING:
 
 disable_created_metrics()  # no *_created series: they double the exposition for nothing
 
-LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0,
-                   60.0, 120.0)
+LATENCY_BUCKETS = (
+    0.001,
+    0.0025,
+    0.005,
+    0.01,
+    0.025,
+    0.05,
+    0.1,
+    0.25,
+    0.5,
+    1.0,
+    2.5,
+    5.0,
+    10.0,
+    30.0,
+    60.0,
+    120.0,
+)
 TOKEN_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)
 VERIFY_BUCKETS = (0, 1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048)
 LENGTH_BUCKETS = (1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 12, 14, 16, 24, 32)
@@ -38,37 +54,69 @@ MEAN_LEN_BUCKETS = (0.0, 0.5, 1.0, 1.5, 2.0, 2.5, 3.0, 3.5, 4.0, 5.0, 6.0, 7.0, 
 
 # Engine observation name -> (metric name, help, buckets)
 HISTOGRAMS: dict[str, tuple[str, str, tuple[float, ...]]] = {
-    "ttft_seconds": ("dspark_time_to_first_token_seconds",
-                     "Time from arrival to the first generated token.", LATENCY_BUCKETS),
-    "itl_seconds": ("dspark_inter_token_latency_seconds",
-                    "Time between successive token deliveries of a request (a speculative round "
-                    "that emits several tokens is one delivery).", LATENCY_BUCKETS),
-    "tpot_seconds": ("dspark_time_per_output_token_seconds",
-                     "Per finished request: (finish - first token) / (output tokens - 1).",
-                     LATENCY_BUCKETS),
-    "e2e_seconds": ("dspark_e2e_request_latency_seconds",
-                    "Per finished request: arrival to finish.", LATENCY_BUCKETS),
-    "queue_seconds": ("dspark_request_queue_time_seconds",
-                      "Time from arrival to the first schedule.", LATENCY_BUCKETS),
-    "step_seconds": ("dspark_engine_step_seconds", "Wall time of one engine step (draft, "
-                     "plan, forward, sample, commit).", LATENCY_BUCKETS),
-    "forward_seconds": ("dspark_model_forward_seconds", "Wall time of one target forward.",
-                        LATENCY_BUCKETS),
-    "batch_tokens": ("dspark_batch_tokens", "Tokens in one target forward (prefill chunks + decodes "
-                     "+ verification blocks).", TOKEN_BUCKETS),
-    "request_prompt_tokens": ("dspark_request_prompt_tokens", "Per finished request: prompt tokens.",
-                              TOKEN_BUCKETS),
-    "request_generation_tokens": ("dspark_request_generation_tokens",
-                                  "Per finished request: generated tokens.", TOKEN_BUCKETS),
-    "acceptance_length": ("dspark_spec_accept_length",
-                          "Tokens emitted per speculative round per request (accepted drafts + the "
-                          "corrected/bonus token).", LENGTH_BUCKETS),
-    "verify_tokens_per_step": ("dspark_spec_verify_tokens_per_step",
-                               "Verification budget: draft tokens admitted for verification in one "
-                               "engine step with decoding requests (sum of l).", VERIFY_BUCKETS),
-    "request_mean_verify_len": ("dspark_spec_request_verify_length_mean",
-                                "Per finished request: mean draft tokens verified per round (l).",
-                                MEAN_LEN_BUCKETS),
+    "ttft_seconds": (
+        "dspark_time_to_first_token_seconds",
+        "Time from arrival to the first generated token.",
+        LATENCY_BUCKETS,
+    ),
+    "itl_seconds": (
+        "dspark_inter_token_latency_seconds",
+        "Time between successive token deliveries of a request (a speculative round "
+        "that emits several tokens is one delivery).",
+        LATENCY_BUCKETS,
+    ),
+    "tpot_seconds": (
+        "dspark_time_per_output_token_seconds",
+        "Per finished request: (finish - first token) / (output tokens - 1).",
+        LATENCY_BUCKETS,
+    ),
+    "e2e_seconds": (
+        "dspark_e2e_request_latency_seconds",
+        "Per finished request: arrival to finish.",
+        LATENCY_BUCKETS,
+    ),
+    "queue_seconds": (
+        "dspark_request_queue_time_seconds",
+        "Time from arrival to the first schedule.",
+        LATENCY_BUCKETS,
+    ),
+    "step_seconds": (
+        "dspark_engine_step_seconds",
+        "Wall time of one engine step (draft, plan, forward, sample, commit).",
+        LATENCY_BUCKETS,
+    ),
+    "forward_seconds": ("dspark_model_forward_seconds", "Wall time of one target forward.", LATENCY_BUCKETS),
+    "batch_tokens": (
+        "dspark_batch_tokens",
+        "Tokens in one target forward (prefill chunks + decodes + verification blocks).",
+        TOKEN_BUCKETS,
+    ),
+    "request_prompt_tokens": (
+        "dspark_request_prompt_tokens",
+        "Per finished request: prompt tokens.",
+        TOKEN_BUCKETS,
+    ),
+    "request_generation_tokens": (
+        "dspark_request_generation_tokens",
+        "Per finished request: generated tokens.",
+        TOKEN_BUCKETS,
+    ),
+    "acceptance_length": (
+        "dspark_spec_accept_length",
+        "Tokens emitted per speculative round per request (accepted drafts + the corrected/bonus token).",
+        LENGTH_BUCKETS,
+    ),
+    "verify_tokens_per_step": (
+        "dspark_spec_verify_tokens_per_step",
+        "Verification budget: draft tokens admitted for verification in one "
+        "engine step with decoding requests (sum of l).",
+        VERIFY_BUCKETS,
+    ),
+    "request_mean_verify_len": (
+        "dspark_spec_request_verify_length_mean",
+        "Per finished request: mean draft tokens verified per round (l).",
+        MEAN_LEN_BUCKETS,
+    ),
 }
 
 
@@ -81,8 +129,11 @@ class _Collector(Collector):
     def collect(self) -> Iterator[Metric]:
         state = self.metrics.state()
         yield _gauge("dspark_server_ready", "1 when /ready answers 200.", 1.0 if state.ready else 0.0)
-        yield _gauge("dspark_server_draining", "1 after SIGTERM, while in-flight requests finish.",
-                     1.0 if state.draining else 0.0)
+        yield _gauge(
+            "dspark_server_draining",
+            "1 after SIGTERM, while in-flight requests finish.",
+            1.0 if state.draining else 0.0,
+        )
         yield _gauge("dspark_http_requests_in_flight", "/v1/* requests being handled.", state.in_flight)
         backend = state.backend
         if backend is None:
@@ -92,15 +143,23 @@ class _Collector(Collector):
 
 def _engine_families(backend: Backend) -> Iterator[Metric]:
     s = backend.stats
-    yield _counter("dspark_prompt_tokens", "Prompt tokens prefilled (recomputation after "
-                   "preemption included).", s.prompt_tokens)
-    yield _counter("dspark_generation_tokens", "Tokens generated (delivered to requests).",
-                   s.generation_tokens)
+    yield _counter(
+        "dspark_prompt_tokens",
+        "Prompt tokens prefilled (recomputation after preemption included).",
+        s.prompt_tokens,
+    )
+    yield _counter(
+        "dspark_generation_tokens", "Tokens generated (delivered to requests).", s.generation_tokens
+    )
     yield _counter("dspark_engine_steps", "Engine steps that ran a forward.", s.steps)
-    yield _counter("dspark_num_preemptions", "Requests preempted (KV dropped, recomputed later).",
-                   s.preemptions)
-    fam = CounterMetricFamily("dspark_request_success", "Requests finished, by finish reason "
-                              "(stop, length, abort, error).", labels=["finished_reason"])
+    yield _counter(
+        "dspark_num_preemptions", "Requests preempted (KV dropped, recomputed later).", s.preemptions
+    )
+    fam = CounterMetricFamily(
+        "dspark_request_success",
+        "Requests finished, by finish reason (stop, length, abort, error).",
+        labels=["finished_reason"],
+    )
     for reason, n in sorted(dict(s.finished_by_reason).items()):
         fam.add_metric([reason], n)
     yield fam
@@ -108,66 +167,102 @@ def _engine_families(backend: Backend) -> Iterator[Metric]:
     load = backend.load()
     yield _gauge("dspark_num_requests_running", "Requests in the running set.", load.running)
     yield _gauge("dspark_num_requests_waiting", "Requests waiting for admission.", load.waiting)
-    yield _gauge("dspark_num_requests_admitted", "Requests accepted and not finished (running, "
-                 "waiting, or about to enter the engine).", load.admitted)
-    yield _gauge("dspark_max_requests_admitted", "Admission limit: max_running + max_queued; more "
-                 "requests get 429.", load.max_running + load.max_queued)
+    yield _gauge(
+        "dspark_num_requests_admitted",
+        "Requests accepted and not finished (running, waiting, or about to enter the engine).",
+        load.admitted,
+    )
+    yield _gauge(
+        "dspark_max_requests_admitted",
+        "Admission limit: max_running + max_queued; more requests get 429.",
+        load.max_running + load.max_queued,
+    )
     yield _gauge("dspark_kv_cache_total_pages", "KV cache capacity in pages.", load.kv_total_pages)
     yield _gauge("dspark_kv_cache_free_pages", "Free KV cache pages.", load.kv_free_pages)
-    yield _gauge("dspark_kv_cache_used_pages", "KV cache pages in use.",
-                 load.kv_total_pages - load.kv_free_pages)
+    yield _gauge(
+        "dspark_kv_cache_used_pages", "KV cache pages in use.", load.kv_total_pages - load.kv_free_pages
+    )
     used = 1.0 - load.kv_free_pages / load.kv_total_pages if load.kv_total_pages else 0.0
     yield _gauge("dspark_kv_cache_usage_ratio", "Fraction of KV cache pages in use (0..1).", used)
 
     spec = backend.spec_snapshot()
     if spec is None:
         return
-    info = GaugeMetricFamily("dspark_spec_planner_info", "Speculative decoding planner mode "
-                             "(value is always 1).", labels=["mode"])
+    info = GaugeMetricFamily(
+        "dspark_spec_planner_info", "Speculative decoding planner mode (value is always 1).", labels=["mode"]
+    )
     info.add_metric([spec.mode], 1.0)
     yield info
     yield _gauge("dspark_spec_gamma", "Draft block size (drafts proposed per round).", spec.gamma)
-    yield _counter("dspark_spec_decode_num_drafts", "Speculative rounds (one per request per step).",
-                   s.spec_rounds)
+    yield _counter(
+        "dspark_spec_decode_num_drafts", "Speculative rounds (one per request per step).", s.spec_rounds
+    )
     yield _counter("dspark_spec_decode_num_draft_tokens", "Draft tokens proposed.", s.spec_draft_tokens)
-    yield _counter("dspark_spec_decode_num_verified_tokens", "Draft tokens admitted for verification "
-                   "by the planner.", s.spec_verified_tokens)
-    yield _counter("dspark_spec_decode_num_accepted_tokens", "Draft tokens accepted.",
-                   s.spec_accepted_tokens)
-    yield _counter("dspark_spec_decode_num_emitted_tokens", "Tokens emitted by speculative rounds "
-                   "(accepted + corrected/bonus, after stop conditions).", s.spec_emitted_tokens)
+    yield _counter(
+        "dspark_spec_decode_num_verified_tokens",
+        "Draft tokens admitted for verification by the planner.",
+        s.spec_verified_tokens,
+    )
+    yield _counter("dspark_spec_decode_num_accepted_tokens", "Draft tokens accepted.", s.spec_accepted_tokens)
+    yield _counter(
+        "dspark_spec_decode_num_emitted_tokens",
+        "Tokens emitted by speculative rounds (accepted + corrected/bonus, after stop conditions).",
+        s.spec_emitted_tokens,
+    )
     accepted, verified = list(s.accepted_per_position), list(s.verified_per_position)
-    acc_fam = CounterMetricFamily("dspark_spec_decode_num_accepted_tokens_per_pos",
-                                  "Accepted draft tokens by draft position (0 = first draft).",
-                                  labels=["position"])
-    ver_fam = CounterMetricFamily("dspark_spec_decode_num_verified_tokens_per_pos",
-                                  "Verified draft tokens by draft position (0 = first draft).",
-                                  labels=["position"])
+    acc_fam = CounterMetricFamily(
+        "dspark_spec_decode_num_accepted_tokens_per_pos",
+        "Accepted draft tokens by draft position (0 = first draft).",
+        labels=["position"],
+    )
+    ver_fam = CounterMetricFamily(
+        "dspark_spec_decode_num_verified_tokens_per_pos",
+        "Verified draft tokens by draft position (0 = first draft).",
+        labels=["position"],
+    )
     for k in range(spec.gamma):
         acc_fam.add_metric([str(k)], accepted[k] if k < len(accepted) else 0)
         ver_fam.add_metric([str(k)], verified[k] if k < len(verified) else 0)
     yield acc_fam
     yield ver_fam
-    yield _gauge("dspark_spec_verify_tokens", "Verification budget of the latest step with decoding "
-                 "requests: draft tokens admitted for verification (sum of l).", s.last_verify_tokens)
-    yield _gauge("dspark_spec_verify_length_mean", "Mean l (draft tokens verified per decoding request) "
-                 "in the latest step with decoding requests.", s.last_mean_verify_len)
+    yield _gauge(
+        "dspark_spec_verify_tokens",
+        "Verification budget of the latest step with decoding "
+        "requests: draft tokens admitted for verification (sum of l).",
+        s.last_verify_tokens,
+    )
+    yield _gauge(
+        "dspark_spec_verify_length_mean",
+        "Mean l (draft tokens verified per decoding request) in the latest step with decoding requests.",
+        s.last_mean_verify_len,
+    )
     mean_acc = s.spec_emitted_tokens / s.spec_rounds if s.spec_rounds else 0.0
-    yield _gauge("dspark_spec_accept_length_mean", "Mean tokens emitted per round since start "
-                 "(SGLang's spec_accept_length).", mean_acc)
+    yield _gauge(
+        "dspark_spec_accept_length_mean",
+        "Mean tokens emitted per round since start (SGLang's spec_accept_length).",
+        mean_acc,
+    )
 
     if spec.sps_curve:
         families = {
-            "base": GaugeMetricFamily("dspark_spec_sps_base_steps_per_second", "Profiled SPS curve: "
-                                      "verify steps per second at a batch size.", labels=["batch_tokens"]),
-            "live": GaugeMetricFamily("dspark_spec_sps_live_steps_per_second", "SPS curve the planner "
-                                      "uses now (profile blended with live timings).",
-                                      labels=["batch_tokens"]),
-            "measured": GaugeMetricFamily("dspark_spec_sps_measured_steps_per_second", "1 / median of "
-                                          "recent step times at this probe (probes with samples only).",
-                                          labels=["batch_tokens"]),
-            "samples": GaugeMetricFamily("dspark_spec_sps_samples", "Live step timings held for this "
-                                         "probe.", labels=["batch_tokens"]),
+            "base": GaugeMetricFamily(
+                "dspark_spec_sps_base_steps_per_second",
+                "Profiled SPS curve: verify steps per second at a batch size.",
+                labels=["batch_tokens"],
+            ),
+            "live": GaugeMetricFamily(
+                "dspark_spec_sps_live_steps_per_second",
+                "SPS curve the planner uses now (profile blended with live timings).",
+                labels=["batch_tokens"],
+            ),
+            "measured": GaugeMetricFamily(
+                "dspark_spec_sps_measured_steps_per_second",
+                "1 / median of recent step times at this probe (probes with samples only).",
+                labels=["batch_tokens"],
+            ),
+            "samples": GaugeMetricFamily(
+                "dspark_spec_sps_samples", "Live step timings held for this probe.", labels=["batch_tokens"]
+            ),
         }
         for p in spec.sps_curve:
             label = [str(p.batch_tokens)]
@@ -179,16 +274,26 @@ def _engine_families(backend: Backend) -> Iterator[Metric]:
         yield from families.values()
 
     drift = {
-        "predicted": GaugeMetricFamily("dspark_spec_calibration_predicted_acceptance", "Mean predicted "
-                                       "prefix survival (calibrated confidence) at a draft position, "
-                                       "over a recent window.", labels=["position"]),
-        "realised": GaugeMetricFamily("dspark_spec_calibration_realised_acceptance", "Fraction of "
-                                      "verified rounds whose drafts up to this position were all "
-                                      "accepted, same window.", labels=["position"]),
-        "gap": GaugeMetricFamily("dspark_spec_calibration_gap", "predicted - realised (> 0: "
-                                 "over-confident).", labels=["position"]),
-        "samples": GaugeMetricFamily("dspark_spec_calibration_samples", "Rounds in the window that "
-                                     "verified this position.", labels=["position"]),
+        "predicted": GaugeMetricFamily(
+            "dspark_spec_calibration_predicted_acceptance",
+            "Mean predicted "
+            "prefix survival (calibrated confidence) at a draft position, "
+            "over a recent window.",
+            labels=["position"],
+        ),
+        "realised": GaugeMetricFamily(
+            "dspark_spec_calibration_realised_acceptance",
+            "Fraction of verified rounds whose drafts up to this position were all accepted, same window.",
+            labels=["position"],
+        ),
+        "gap": GaugeMetricFamily(
+            "dspark_spec_calibration_gap", "predicted - realised (> 0: over-confident).", labels=["position"]
+        ),
+        "samples": GaugeMetricFamily(
+            "dspark_spec_calibration_samples",
+            "Rounds in the window that verified this position.",
+            labels=["position"],
+        ),
     }
     for d in spec.drift:
         label = [str(d.position - 1)]  # 0-based, like the per-position counters
@@ -216,9 +321,12 @@ class Metrics:
         self.state = state
         self.registry = CollectorRegistry()
         self.registry.register(_Collector(self))
-        self.requests = Counter("dspark_requests", "HTTP responses by endpoint (route path, or "
-                                "'other') and status code.", ["endpoint", "status"],
-                                registry=self.registry)
+        self.requests = Counter(
+            "dspark_requests",
+            "HTTP responses by endpoint (route path, or 'other') and status code.",
+            ["endpoint", "status"],
+            registry=self.registry,
+        )
         self.histograms = {
             key: Histogram(name, doc, buckets=buckets, registry=self.registry)
             for key, (name, doc, buckets) in HISTOGRAMS.items()

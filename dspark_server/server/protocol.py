@@ -12,9 +12,15 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator
 class APIError(Exception):
     """An error that becomes ``{"error": {...}}`` with an HTTP status."""
 
-    def __init__(self, status: int, message: str, type_: str = "invalid_request_error",
-                 param: str | None = None, code: str | None = None,
-                 headers: dict[str, str] | None = None) -> None:
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        type_: str = "invalid_request_error",
+        param: str | None = None,
+        code: str | None = None,
+        headers: dict[str, str] | None = None,
+    ) -> None:
         super().__init__(message)
         self.status = status
         self.message = message
@@ -24,8 +30,14 @@ class APIError(Exception):
         self.headers = headers or {}
 
     def body(self) -> dict[str, Any]:
-        return {"error": {"message": self.message, "type": self.type, "param": self.param,
-                          "code": self.code if self.code is not None else self.status}}
+        return {
+            "error": {
+                "message": self.message,
+                "type": self.type,
+                "param": self.param,
+                "code": self.code if self.code is not None else self.status,
+            }
+        }
 
 
 class ErrorDetail(BaseModel):
@@ -59,8 +71,11 @@ class _SamplingFields(BaseModel):
     seed: int | None = Field(default=None, ge=-(2**63), le=2**63 - 1)
     stop: str | list[str] | None = None
     stop_token_ids: list[Annotated[int, Field(ge=0, le=_INT32)]] | None = None
-    n: int | None = Field(default=1, description="number of choices: only 1 is supported",
-                          json_schema_extra={"minimum": 1, "maximum": 1})
+    n: int | None = Field(
+        default=1,
+        description="number of choices: only 1 is supported",
+        json_schema_extra={"minimum": 1, "maximum": 1},
+    )
     stream: bool | None = False
     stream_options: StreamOptions | None = None
     user: str | None = None
@@ -70,8 +85,10 @@ class _SamplingFields(BaseModel):
     @classmethod
     def _only_one_choice(cls, n: int | None) -> int | None:
         if n is not None and n != 1:
-            raise ValueError(f"n={n} is not supported: this server returns exactly one choice per "
-                             "request (send n=1 or omit it, and send several requests instead)")
+            raise ValueError(
+                f"n={n} is not supported: this server returns exactly one choice per "
+                "request (send n=1 or omit it, and send several requests instead)"
+            )
         return n
 
     def stop_list(self) -> tuple[str, ...]:
@@ -102,13 +119,15 @@ class ChatMessage(BaseModel):
 
 class ChatCompletionRequest(_SamplingFields):
     messages: list[ChatMessage] = Field(min_length=1)
-    max_completion_tokens: int | None = Field(default=None, ge=1,
-                                              description="preferred over max_tokens when both are set")
+    max_completion_tokens: int | None = Field(
+        default=None, ge=1, description="preferred over max_tokens when both are set"
+    )
 
 
 class CompletionRequest(_SamplingFields):
     prompt: str | list[int] | list[str] | list[list[int]] = Field(
-        description="a string, a list of token ids, or a list holding exactly one of those")
+        description="a string, a list of token ids, or a list holding exactly one of those"
+    )
 
 
 class SpecUsage(BaseModel):

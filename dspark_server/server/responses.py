@@ -26,9 +26,12 @@ class Formatter(Protocol):
 
 
 def usage_of(out: RequestOutput) -> Usage:
-    return Usage(prompt_tokens=out.prompt_tokens, completion_tokens=out.completion_tokens,
-                 total_tokens=out.prompt_tokens + out.completion_tokens,
-                 spec=SpecUsage(**out.spec.as_dict()))
+    return Usage(
+        prompt_tokens=out.prompt_tokens,
+        completion_tokens=out.completion_tokens,
+        total_tokens=out.prompt_tokens + out.completion_tokens,
+        spec=SpecUsage(**out.spec.as_dict()),
+    )
 
 
 def _public_reason(reason: str | None) -> str | None:
@@ -42,10 +45,13 @@ class ChatFormatter:
         self.created = int(time.time())
 
     def _chunk(self, delta: dict[str, Any], finish_reason: str | None) -> dict[str, Any]:
-        return {"id": self.response_id, "object": "chat.completion.chunk", "created": self.created,
-                "model": self.model,
-                "choices": [{"index": 0, "delta": delta, "finish_reason": finish_reason,
-                             "logprobs": None}]}
+        return {
+            "id": self.response_id,
+            "object": "chat.completion.chunk",
+            "created": self.created,
+            "model": self.model,
+            "choices": [{"index": 0, "delta": delta, "finish_reason": finish_reason, "logprobs": None}],
+        }
 
     def stream_chunks(self, out: RequestOutput, first: bool, include_usage: bool) -> list[dict]:
         chunks = []
@@ -55,19 +61,32 @@ class ChatFormatter:
             delta = {"content": out.new_text} if out.new_text else {}
             chunks.append(self._chunk(delta, _public_reason(out.finish_reason)))
         if out.finished and include_usage:
-            chunks.append({"id": self.response_id, "object": "chat.completion.chunk",
-                           "created": self.created, "model": self.model, "choices": [],
-                           "usage": usage_of(out).model_dump()})
+            chunks.append(
+                {
+                    "id": self.response_id,
+                    "object": "chat.completion.chunk",
+                    "created": self.created,
+                    "model": self.model,
+                    "choices": [],
+                    "usage": usage_of(out).model_dump(),
+                }
+            )
         return chunks
 
     def full_response(self, outputs: list[RequestOutput]) -> dict[str, Any]:
         last = outputs[-1]
         text = "".join(o.new_text for o in outputs)
         return ChatCompletionResponse(
-            id=self.response_id, model=self.model, created=self.created,
-            choices=[ChatChoice(message=ResponseMessage(content=text),
-                                finish_reason=_public_reason(last.finish_reason))],
-            usage=usage_of(last)).model_dump()
+            id=self.response_id,
+            model=self.model,
+            created=self.created,
+            choices=[
+                ChatChoice(
+                    message=ResponseMessage(content=text), finish_reason=_public_reason(last.finish_reason)
+                )
+            ],
+            usage=usage_of(last),
+        ).model_dump()
 
 
 class CompletionFormatter:
@@ -79,20 +98,46 @@ class CompletionFormatter:
     def stream_chunks(self, out: RequestOutput, first: bool, include_usage: bool) -> list[dict]:
         chunks = []
         if out.new_text or out.finished:
-            chunks.append({"id": self.response_id, "object": "text_completion",
-                           "created": self.created, "model": self.model,
-                           "choices": [{"index": 0, "text": out.new_text, "logprobs": None,
-                                        "finish_reason": _public_reason(out.finish_reason)}]})
+            chunks.append(
+                {
+                    "id": self.response_id,
+                    "object": "text_completion",
+                    "created": self.created,
+                    "model": self.model,
+                    "choices": [
+                        {
+                            "index": 0,
+                            "text": out.new_text,
+                            "logprobs": None,
+                            "finish_reason": _public_reason(out.finish_reason),
+                        }
+                    ],
+                }
+            )
         if out.finished and include_usage:
-            chunks.append({"id": self.response_id, "object": "text_completion",
-                           "created": self.created, "model": self.model, "choices": [],
-                           "usage": usage_of(out).model_dump()})
+            chunks.append(
+                {
+                    "id": self.response_id,
+                    "object": "text_completion",
+                    "created": self.created,
+                    "model": self.model,
+                    "choices": [],
+                    "usage": usage_of(out).model_dump(),
+                }
+            )
         return chunks
 
     def full_response(self, outputs: list[RequestOutput]) -> dict[str, Any]:
         last = outputs[-1]
         return CompletionResponse(
-            id=self.response_id, model=self.model, created=self.created,
-            choices=[CompletionChoice(text="".join(o.new_text for o in outputs),
-                                      finish_reason=_public_reason(last.finish_reason))],
-            usage=usage_of(last)).model_dump()
+            id=self.response_id,
+            model=self.model,
+            created=self.created,
+            choices=[
+                CompletionChoice(
+                    text="".join(o.new_text for o in outputs),
+                    finish_reason=_public_reason(last.finish_reason),
+                )
+            ],
+            usage=usage_of(last),
+        ).model_dump()

@@ -50,8 +50,12 @@ class DrainingServer(uvicorn.Server):
             return
         self._drain_started = True
         self.state.draining = True
-        log.info("signal %d: draining (no new requests; %d in flight, up to %.0f s)", sig,
-                 self.state.in_flight, self.drain_timeout_s)
+        log.info(
+            "signal %d: draining (no new requests; %d in flight, up to %.0f s)",
+            sig,
+            self.state.in_flight,
+            self.drain_timeout_s,
+        )
         self._loop.call_soon_threadsafe(lambda: asyncio.ensure_future(self._drain()))
 
     async def _drain(self) -> None:
@@ -73,8 +77,13 @@ def run_server(make_backend: Callable[[], Backend] | Backend, cfg: ServerConfig,
     the port is already open) or is a ready backend."""
     app = create_app(None, cfg, model_name)
     state: ServerState = app.state.dspark
-    config = uvicorn.Config(app, host=cfg.host, port=cfg.port, log_level="info",
-                            timeout_graceful_shutdown=max(1, int(cfg.drain_timeout_s)))
+    config = uvicorn.Config(
+        app,
+        host=cfg.host,
+        port=cfg.port,
+        log_level="info",
+        timeout_graceful_shutdown=max(1, int(cfg.drain_timeout_s)),
+    )
     server = DrainingServer(config, state, cfg.drain_timeout_s)
     holder: list[Backend] = []
 

@@ -32,37 +32,71 @@ def build_tokenizer(out_dir: Path, vocab_size: int = 320) -> HFTokenizer:
     tok = HFTokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=SPECIAL_TOKENS,
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-                                  show_progress=False)
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=SPECIAL_TOKENS,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
     tok.train_from_iterator([_TRAIN_TEXT] * 4, trainer)
     out_dir.mkdir(parents=True, exist_ok=True)
     tok.save(str(out_dir / "tokenizer.json"))
-    (out_dir / "tokenizer_config.json").write_text(json.dumps({
-        "chat_template": CHAT_TEMPLATE,
-        "eos_token": "<|im_end|>",
-        "pad_token": "<|endoftext|>",
-        "bos_token": None,
-        "tokenizer_class": "PreTrainedTokenizerFast",
-    }, indent=2))
+    (out_dir / "tokenizer_config.json").write_text(
+        json.dumps(
+            {
+                "chat_template": CHAT_TEMPLATE,
+                "eos_token": "<|im_end|>",
+                "pad_token": "<|endoftext|>",
+                "bos_token": None,
+                "tokenizer_class": "PreTrainedTokenizerFast",
+            },
+            indent=2,
+        )
+    )
     return tok
 
 
-def tiny_hf_config(vocab_size: int, hidden: int = 64, layers: int = 2, heads: int = 4,
-                   kv_heads: int = 2, intermediate: int = 128, eos: list[int] | None = None,
-                   max_positions: int = 4096) -> dict:
+def tiny_hf_config(
+    vocab_size: int,
+    hidden: int = 64,
+    layers: int = 2,
+    heads: int = 4,
+    kv_heads: int = 2,
+    intermediate: int = 128,
+    eos: list[int] | None = None,
+    max_positions: int = 4096,
+) -> dict:
     return {
-        "architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3", "vocab_size": vocab_size,
-        "hidden_size": hidden, "intermediate_size": intermediate, "num_hidden_layers": layers,
-        "num_attention_heads": heads, "num_key_value_heads": kv_heads, "head_dim": hidden // heads,
-        "rms_norm_eps": 1e-6, "rope_theta": 10000.0, "max_position_embeddings": max_positions,
-        "tie_word_embeddings": True, "eos_token_id": eos or [], "torch_dtype": "float32",
+        "architectures": ["Qwen3ForCausalLM"],
+        "model_type": "qwen3",
+        "vocab_size": vocab_size,
+        "hidden_size": hidden,
+        "intermediate_size": intermediate,
+        "num_hidden_layers": layers,
+        "num_attention_heads": heads,
+        "num_key_value_heads": kv_heads,
+        "head_dim": hidden // heads,
+        "rms_norm_eps": 1e-6,
+        "rope_theta": 10000.0,
+        "max_position_embeddings": max_positions,
+        "tie_word_embeddings": True,
+        "eos_token_id": eos or [],
+        "torch_dtype": "float32",
     }
 
 
-def build_tiny_model(out_dir: str | Path, seed: int = 0, hidden: int = 64, layers: int = 2,
-                     heads: int = 4, kv_heads: int = 2, intermediate: int = 128,
-                     init_std: float = 0.2, with_eos: bool = True, vocab_size: int | None = None) -> Path:
+def build_tiny_model(
+    out_dir: str | Path,
+    seed: int = 0,
+    hidden: int = 64,
+    layers: int = 2,
+    heads: int = 4,
+    kv_heads: int = 2,
+    intermediate: int = 128,
+    init_std: float = 0.2,
+    with_eos: bool = True,
+    vocab_size: int | None = None,
+) -> Path:
     """A random Qwen3 target with a real byte-level BPE tokenizer and chat template.
 
     ``init_std`` is large so that logits are far from ties (greedy equality tests stay exact).
@@ -89,9 +123,16 @@ def build_tiny_model(out_dir: str | Path, seed: int = 0, hidden: int = 64, layer
     return out
 
 
-def build_tiny_drafter(target_dir: str | Path, out_dir: str | Path, seed: int = 0, gamma: int = 4,
-                       head_type: str = "markov", markov_rank: int = 16, layers: int = 1,
-                       init_std: float = 0.2) -> Path:
+def build_tiny_drafter(
+    target_dir: str | Path,
+    out_dir: str | Path,
+    seed: int = 0,
+    gamma: int = 4,
+    head_type: str = "markov",
+    markov_rank: int = 16,
+    layers: int = 1,
+    init_std: float = 0.2,
+) -> Path:
     """A random DSpark drafter for a target made by ``build_tiny_model`` (random drafts: many
     rejections, which is what losslessness tests want)."""
     from dspark_server.models.drafter import DSparkDrafter
@@ -101,9 +142,15 @@ def build_tiny_drafter(target_dir: str | Path, out_dir: str | Path, seed: int = 
 
     target = load_target(target_dir)
     mask_id = HFTokenizer.from_file(str(Path(target_dir) / "tokenizer.json")).token_to_id("<|mask|>")
-    cfg = DraftConfig.from_target(target.config, mask_token_id=mask_id, num_layers=layers, gamma=gamma,
-                                  head_type=head_type, markov_rank=markov_rank,
-                                  target_layer_ids=tuple(range(min(2, target.config.num_hidden_layers))))
+    cfg = DraftConfig.from_target(
+        target.config,
+        mask_token_id=mask_id,
+        num_layers=layers,
+        gamma=gamma,
+        head_type=head_type,
+        markov_rank=markov_rank,
+        target_layer_ids=tuple(range(min(2, target.config.num_hidden_layers))),
+    )
     torch.manual_seed(seed)
     drafter = DSparkDrafter(cfg, target)
     with torch.no_grad():

@@ -131,13 +131,17 @@ def code_samples(doc: Document, rng: random.Random, cfg: SampleConfig = SampleCo
             if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef | ast.ClassDef):
                 nodes.append(node)
             if isinstance(node, ast.ClassDef):
-                nodes.extend(n for n in node.body if isinstance(n, ast.FunctionDef | ast.AsyncFunctionDef)
-                             and not (n.name.startswith("__") and n.name != "__init__"))
+                nodes.extend(
+                    n
+                    for n in node.body
+                    if isinstance(n, ast.FunctionDef | ast.AsyncFunctionDef)
+                    and not (n.name.startswith("__") and n.name != "__init__")
+                )
         rng.shuffle(nodes)
         lines = doc.text.splitlines()
         for node in nodes[: cfg.max_chat_per_doc]:
             start = min([node.lineno] + [d.lineno for d in getattr(node, "decorator_list", [])])
-            src = _dedent("\n".join(lines[start - 1: node.end_lineno]))
+            src = _dedent("\n".join(lines[start - 1 : node.end_lineno]))
             if not cfg.min_answer_chars <= len(src) <= cfg.max_answer_chars:
                 continue
             first = _first_sentence(ast.get_docstring(node))
@@ -190,8 +194,12 @@ def split_sections(text: str) -> list[tuple[str, str]]:
     body: list[str] = []
     i = 0
     while i < len(lines):
-        if i + 1 < len(lines) and lines[i].strip() and _TITLE_UNDERLINE.match(lines[i + 1]) \
-                and len(lines[i + 1].strip()) >= len(lines[i].strip()) * 0.6:
+        if (
+            i + 1 < len(lines)
+            and lines[i].strip()
+            and _TITLE_UNDERLINE.match(lines[i + 1])
+            and len(lines[i + 1].strip()) >= len(lines[i].strip()) * 0.6
+        ):
             sections.append((title, body))
             title, body = lines[i].strip(), []
             i += 2
@@ -219,7 +227,7 @@ def _chunks(text: str, limit: int) -> list[str]:
     while text.strip():
         piece = _cut(text, limit)
         out.append(piece)
-        text = text[len(piece):].lstrip("\n")
+        text = text[len(piece) :].lstrip("\n")
     return out
 
 
@@ -237,7 +245,7 @@ def prose_samples(doc: Document, rng: random.Random, cfg: SampleConfig = SampleC
             samples.append(chat_sample(user, answer))
         else:
             m = re.match(r"(.{20,300}?[.!?])\s", answer, re.S)
-            rest = answer[m.end():].lstrip() if m else ""
+            rest = answer[m.end() :].lstrip() if m else ""
             if len(rest) < cfg.min_answer_chars:
                 continue
             first = " ".join(m.group(1).split())
@@ -254,8 +262,7 @@ def document_samples(doc: Document, rng: random.Random, cfg: SampleConfig = Samp
     return prose_samples(doc, rng, cfg)
 
 
-def build_samples(docs: list[Document], seed: int = 0,
-                  cfg: SampleConfig = SampleConfig()) -> list[Sample]:
+def build_samples(docs: list[Document], seed: int = 0, cfg: SampleConfig = SampleConfig()) -> list[Sample]:
     """All samples of a document list, in a seeded shuffled order."""
     rng = random.Random(seed)
     samples: list[Sample] = []

@@ -67,11 +67,13 @@ def find_prose_dir() -> Path:
             return c
     raise FileNotFoundError(
         f"Python documentation sources not found; install them with `apt-get install -y {PROSE_PACKAGE}` "
-        "or pass --prose-dir")
+        "or pass --prose-dir"
+    )
 
 
-def iter_code_documents(stdlib_dir: str | Path | None = None, max_bytes: int = 300_000,
-                        min_bytes: int = 200) -> Iterator[Document]:
+def iter_code_documents(
+    stdlib_dir: str | Path | None = None, max_bytes: int = 300_000, min_bytes: int = 200
+) -> Iterator[Document]:
     root = Path(stdlib_dir or sysconfig.get_paths()["stdlib"])
     for path in sorted(root.rglob("*.py")):
         rel = path.relative_to(root)
@@ -88,8 +90,17 @@ def iter_code_documents(stdlib_dir: str | Path | None = None, max_bytes: int = 3
 _ROLE = re.compile(r":(?:[a-zA-Z]+:)?[a-zA-Z]+:`~?!?([^`<]*?)(?:\s*<[^>]*>)?`")
 _LINK = re.compile(r"`([^`<]+?)\s*<[^>]*>`_{1,2}")
 _REF = re.compile(r"`([^`]+)`_{1,2}")
-_DIRECTIVE_KEEP = ("note", "warning", "seealso", "versionadded", "versionchanged", "deprecated",
-                   "impl-detail", "tip", "important")
+_DIRECTIVE_KEEP = (
+    "note",
+    "warning",
+    "seealso",
+    "versionadded",
+    "versionchanged",
+    "deprecated",
+    "impl-detail",
+    "tip",
+    "important",
+)
 _HEADING = re.compile(r"^([=\-~^\"'`#*+<>_:.])\1{3,}\s*$")
 
 
@@ -112,16 +123,34 @@ def clean_rest(text: str) -> str:
             if m and m.group(1) in ("code-block", "sourcecode", "code", "doctest", "testcode"):
                 out.append("")
                 continue
-            if m and m.group(1).split(":")[-1] in ("function", "method", "class", "attribute", "data",
-                                                   "exception", "decorator", "classmethod",
-                                                   "staticmethod", "module", "envvar", "option",
-                                                   "opcode", "cmdoption", "describe", "pdbcommand"):
+            if m and m.group(1).split(":")[-1] in (
+                "function",
+                "method",
+                "class",
+                "attribute",
+                "data",
+                "exception",
+                "decorator",
+                "classmethod",
+                "staticmethod",
+                "module",
+                "envvar",
+                "option",
+                "opcode",
+                "cmdoption",
+                "describe",
+                "pdbcommand",
+            ):
                 out.append(m.group(2))
                 continue
             skipping = True  # comments, toctree, index, _targets, images, tables of contents...
             continue
-        if (stripped.startswith(":") and out[-1:] != [""] and re.match(r":[\w -]+:", stripped)
-                and re.match(r":(synopsis|noindex|platform|deprecated|param|type)", stripped)):
+        if (
+            stripped.startswith(":")
+            and out[-1:] != [""]
+            and re.match(r":[\w -]+:", stripped)
+            and re.match(r":(synopsis|noindex|platform|deprecated|param|type)", stripped)
+        ):
             continue  # field lists of directives (":synopsis:", ":noindex:")
         line = _ROLE.sub(r"\1", line)
         line = _LINK.sub(r"\1", line)
@@ -159,8 +188,9 @@ def dedupe(docs: Iterable[Document]) -> Iterator[Document]:
             yield d
 
 
-def split_documents(docs: Iterable[Document],
-                    heldout_fraction: float) -> tuple[list[Document], list[Document]]:
+def split_documents(
+    docs: Iterable[Document], heldout_fraction: float
+) -> tuple[list[Document], list[Document]]:
     train: list[Document] = []
     held: list[Document] = []
     for d in docs:
@@ -196,8 +226,14 @@ def build_corpus(cfg: CorpusConfig = CorpusConfig()) -> dict:
     """Collect, dedupe, split and write the corpus; returns (and writes) the manifest."""
     stdlib = cfg.stdlib_dir or sysconfig.get_paths()["stdlib"]
     prose = Path(cfg.prose_dir) if cfg.prose_dir else find_prose_dir()
-    docs = list(dedupe([*iter_code_documents(stdlib, cfg.max_code_bytes, cfg.min_bytes),
-                        *iter_prose_documents(prose, cfg.min_bytes)]))
+    docs = list(
+        dedupe(
+            [
+                *iter_code_documents(stdlib, cfg.max_code_bytes, cfg.min_bytes),
+                *iter_prose_documents(prose, cfg.min_bytes),
+            ]
+        )
+    )
     train, held = split_documents(docs, cfg.heldout_fraction)
     out = Path(cfg.out_dir)
     out.mkdir(parents=True, exist_ok=True)
@@ -225,8 +261,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--prose-dir", default=None)
     p.add_argument("--heldout-fraction", type=float, default=d.heldout_fraction)
     a = p.parse_args(argv)
-    m = build_corpus(CorpusConfig(out_dir=a.out, stdlib_dir=a.stdlib_dir, prose_dir=a.prose_dir,
-                                  heldout_fraction=a.heldout_fraction))
+    m = build_corpus(
+        CorpusConfig(
+            out_dir=a.out, stdlib_dir=a.stdlib_dir, prose_dir=a.prose_dir, heldout_fraction=a.heldout_fraction
+        )
+    )
     print(json.dumps({k: m[k] for k in ("train", "heldout")}, indent=2))
     return 0
 

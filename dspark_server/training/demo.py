@@ -31,8 +31,9 @@ def _stage(name: str, done: Path, run: Callable[[], object]) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="dspark train demo", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        prog="dspark train demo", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     p.add_argument("--work", default="work_data", help="scratch directory for every stage")
     p.add_argument("--target-steps", type=int, default=950)
     p.add_argument("--target-minutes", type=float, default=75)
@@ -46,29 +47,115 @@ def main(argv: list[str] | None = None) -> int:
 
     work = Path(a.work)
     target_dir, draft_dir = work / "demo_target", work / "demo_draft"
-    _stage("corpus", work / "corpus" / "manifest.json",
-           lambda: corpus.main(["--out", str(work / "corpus")]))
-    _stage("tokenizer", work / "tokenizer" / "tokenizer.json",
-           lambda: tokenizer_train.main(["--corpus", str(work / "corpus"), "--out", str(work / "tokenizer")]))
-    _stage("target", target_dir / "model.safetensors", lambda: target_train.main([
-        "--corpus", str(work / "corpus"), "--tokenizer", str(work / "tokenizer"),
-        "--data-dir", str(work / "target_data"), "--run-dir", str(work / "target_run"),
-        "--out", str(target_dir), "--steps", str(a.target_steps), "--batch-size", "6", "--seq-len", "256",
-        "--layers", "4", "--intermediate-size", "576", "--lr", "2.5e-3", "--warmup-steps", "20",
-        "--max-minutes", str(a.target_minutes), "--no-progress"]))
-    _stage("self-distillation", work / "draft_data" / "manifest.json", lambda: distill.main([
-        "--target", str(target_dir), "--corpus", str(work / "corpus" / "train.jsonl"),
-        "--out", str(work / "draft_data"), "--num-prompts", str(a.distill_prompts),
-        "--max-tokens", "160", "--concurrency", "64", "--threads", "1"]))
-    _stage("drafter", draft_dir / "model.safetensors", lambda: draft_train.main([
-        "--target", str(target_dir), "--data", str(work / "draft_data"), "--out", str(draft_dir),
-        "--gamma", "7", "--head", "markov", "--layers", "1", "--markov-rank", "64",
-        "--steps", str(a.draft_steps), "--batch-size", "8", "--seq-len", "320", "--anchors-per-seq", "48",
-        "--lr", "6e-4", "--threads", "2", "--max-minutes", str(a.draft_minutes)]))
-    _stage("calibration", draft_dir / "sts_calibration.json",
-           lambda: _calibrate(work, target_dir, draft_dir, 1.0, "sts_calibration.json"))
-    _stage("greedy calibration", draft_dir / "sts_calibration_greedy.json",
-           lambda: _calibrate(work, target_dir, draft_dir, 0.0, "sts_calibration_greedy.json"))
+    _stage("corpus", work / "corpus" / "manifest.json", lambda: corpus.main(["--out", str(work / "corpus")]))
+    _stage(
+        "tokenizer",
+        work / "tokenizer" / "tokenizer.json",
+        lambda: tokenizer_train.main(["--corpus", str(work / "corpus"), "--out", str(work / "tokenizer")]),
+    )
+    _stage(
+        "target",
+        target_dir / "model.safetensors",
+        lambda: target_train.main(
+            [
+                "--corpus",
+                str(work / "corpus"),
+                "--tokenizer",
+                str(work / "tokenizer"),
+                "--data-dir",
+                str(work / "target_data"),
+                "--run-dir",
+                str(work / "target_run"),
+                "--out",
+                str(target_dir),
+                "--steps",
+                str(a.target_steps),
+                "--batch-size",
+                "6",
+                "--seq-len",
+                "256",
+                "--layers",
+                "4",
+                "--intermediate-size",
+                "576",
+                "--lr",
+                "2.5e-3",
+                "--warmup-steps",
+                "20",
+                "--max-minutes",
+                str(a.target_minutes),
+                "--no-progress",
+            ]
+        ),
+    )
+    _stage(
+        "self-distillation",
+        work / "draft_data" / "manifest.json",
+        lambda: distill.main(
+            [
+                "--target",
+                str(target_dir),
+                "--corpus",
+                str(work / "corpus" / "train.jsonl"),
+                "--out",
+                str(work / "draft_data"),
+                "--num-prompts",
+                str(a.distill_prompts),
+                "--max-tokens",
+                "160",
+                "--concurrency",
+                "64",
+                "--threads",
+                "1",
+            ]
+        ),
+    )
+    _stage(
+        "drafter",
+        draft_dir / "model.safetensors",
+        lambda: draft_train.main(
+            [
+                "--target",
+                str(target_dir),
+                "--data",
+                str(work / "draft_data"),
+                "--out",
+                str(draft_dir),
+                "--gamma",
+                "7",
+                "--head",
+                "markov",
+                "--layers",
+                "1",
+                "--markov-rank",
+                "64",
+                "--steps",
+                str(a.draft_steps),
+                "--batch-size",
+                "8",
+                "--seq-len",
+                "320",
+                "--anchors-per-seq",
+                "48",
+                "--lr",
+                "6e-4",
+                "--threads",
+                "2",
+                "--max-minutes",
+                str(a.draft_minutes),
+            ]
+        ),
+    )
+    _stage(
+        "calibration",
+        draft_dir / "sts_calibration.json",
+        lambda: _calibrate(work, target_dir, draft_dir, 1.0, "sts_calibration.json"),
+    )
+    _stage(
+        "greedy calibration",
+        draft_dir / "sts_calibration_greedy.json",
+        lambda: _calibrate(work, target_dir, draft_dir, 0.0, "sts_calibration_greedy.json"),
+    )
     if a.install:
         for src, dst in ((target_dir, DEMO_TARGET), (draft_dir, DEMO_DRAFT)):
             shutil.rmtree(dst, ignore_errors=True)
@@ -101,10 +188,12 @@ def _calibrate(work: Path, target_dir: Path, draft_dir: Path, temperature: float
     from dspark_server.offline import GenerateConfig
 
     prompts = calibration_prompts(work)
-    engine = EngineConfig(model_dir=str(target_dir), draft_dir=str(draft_dir),
-                          spec=SpeculativeConfig(mode="fixed"))
-    gen = GenerateConfig(prompts=str(prompts), max_tokens=128, temperature=temperature, seed=0,
-                         concurrency=16)
+    engine = EngineConfig(
+        model_dir=str(target_dir), draft_dir=str(draft_dir), spec=SpeculativeConfig(mode="fixed")
+    )
+    gen = GenerateConfig(
+        prompts=str(prompts), max_tokens=128, temperature=temperature, seed=0, concurrency=16
+    )
     run_calibration(CalibrateConfig(engine=engine, generate=gen, out=str(draft_dir / name)))
 
 

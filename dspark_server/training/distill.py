@@ -65,9 +65,14 @@ class DistillConfig:
 
     def plan_key(self) -> dict[str, Any]:
         """Everything the prompt plan depends on (a resumed run must agree on it)."""
-        return {"corpus": str(Path(self.corpus).resolve()), "seed": self.seed,
-                "max_tokens": self.max_tokens, "max_prompt_tokens": self.max_prompt_tokens,
-                "greedy_fraction": self.greedy_fraction, "temperature": self.temperature}
+        return {
+            "corpus": str(Path(self.corpus).resolve()),
+            "seed": self.seed,
+            "max_tokens": self.max_tokens,
+            "max_prompt_tokens": self.max_prompt_tokens,
+            "greedy_fraction": self.greedy_fraction,
+            "temperature": self.temperature,
+        }
 
 
 @dataclass(frozen=True)
@@ -89,7 +94,7 @@ def user_turn(sample: list[tuple[str, bool]]) -> str | None:
     prompt = sample[0][0]
     if not (prompt.startswith(_USER_PREFIX) and prompt.endswith(_USER_SUFFIX)):
         return None
-    user = prompt[len(_USER_PREFIX): -len(_USER_SUFFIX)]
+    user = prompt[len(_USER_PREFIX) : -len(_USER_SUFFIX)]
     if render_chat([{"role": "user", "content": user}], add_generation_prompt=True) != prompt:
         return None  # not a single user turn
     return user
@@ -141,16 +146,29 @@ def _write_plan(path: Path, cfg: DistillConfig, plan: list[PromptPlan]) -> None:
     with tmp.open("w", encoding="utf-8") as f:
         f.write(json.dumps({"plan_key": cfg.plan_key(), "count": len(plan)}) + "\n")
         for p in plan:
-            f.write(json.dumps({"index": p.index, "user": p.user, "prompt_ids": list(p.prompt_ids),
-                                "temperature": p.temperature, "seed": p.seed}, ensure_ascii=False) + "\n")
+            f.write(
+                json.dumps(
+                    {
+                        "index": p.index,
+                        "user": p.user,
+                        "prompt_ids": list(p.prompt_ids),
+                        "temperature": p.temperature,
+                        "seed": p.seed,
+                    },
+                    ensure_ascii=False,
+                )
+                + "\n"
+            )
     tmp.replace(path)
 
 
 def _read_plan(path: Path) -> tuple[dict[str, Any], list[PromptPlan]]:
     with path.open(encoding="utf-8") as f:
         head = json.loads(f.readline())
-        plan = [PromptPlan(r["index"], r["user"], tuple(r["prompt_ids"]), float(r["temperature"]),
-                           int(r["seed"])) for r in map(json.loads, f)]
+        plan = [
+            PromptPlan(r["index"], r["user"], tuple(r["prompt_ids"]), float(r["temperature"]), int(r["seed"]))
+            for r in map(json.loads, f)
+        ]
     return head, plan
 
 
@@ -163,8 +181,10 @@ def load_or_build_plan(cfg: DistillConfig, encode_chat) -> list[PromptPlan]:  # 
         if head.get("plan_key") == cfg.plan_key() and len(plan) >= cfg.num_prompts:
             return plan[: cfg.num_prompts]
         if head.get("plan_key") != cfg.plan_key():
-            raise ValueError(f"{path} was made with other settings ({head.get('plan_key')}); use another "
-                             f"--out or the same settings ({cfg.plan_key()})")
+            raise ValueError(
+                f"{path} was made with other settings ({head.get('plan_key')}); use another "
+                f"--out or the same settings ({cfg.plan_key()})"
+            )
     plan = build_plan(cfg, encode_chat)
     path.parent.mkdir(parents=True, exist_ok=True)
     _write_plan(path, cfg, plan)
@@ -228,19 +248,34 @@ def distill(cfg: DistillConfig) -> dict[str, Any]:
     out = Path(cfg.out_dir)
     out.mkdir(parents=True, exist_ok=True)
     max_len = cfg.max_prompt_tokens + cfg.max_tokens + 8
-    engine = LLMEngine(EngineConfig(model_dir=cfg.target_dir, max_running=cfg.concurrency,
-                                    max_queued=max(256, 2 * cfg.concurrency), max_model_len=max_len,
-                                    num_threads=cfg.threads))
+    engine = LLMEngine(
+        EngineConfig(
+            model_dir=cfg.target_dir,
+            max_running=cfg.concurrency,
+            max_queued=max(256, 2 * cfg.concurrency),
+            max_model_len=max_len,
+            num_threads=cfg.threads,
+        )
+    )
     plan = load_or_build_plan(cfg, engine.tokenizer.encode_chat)
     records_path = out / RECORDS_FILE
     done = {int(r["index"]): r for r in read_records(records_path, repair=True)}
     for i, r in done.items():
         if i >= len(plan) or tuple(r["prompt_ids"]) != plan[i].prompt_ids:
-            raise ValueError(f"{records_path} holds an answer for prompt {i} that is not in this plan; "
-                             "use another --out")
+            raise ValueError(
+                f"{records_path} holds an answer for prompt {i} that is not in this plan; use another --out"
+            )
     todo = [p for p in plan if p.index not in done]
-    bar = tqdm(total=len(plan), initial=len(plan) - len(todo), desc="distill", unit="seq",
-               disable=not cfg.progress, file=sys.stderr, dynamic_ncols=True, mininterval=2.0)
+    bar = tqdm(
+        total=len(plan),
+        initial=len(plan) - len(todo),
+        desc="distill",
+        unit="seq",
+        disable=not cfg.progress,
+        file=sys.stderr,
+        dynamic_ncols=True,
+        mininterval=2.0,
+    )
     parts: dict[int, list[int]] = {}
     finished: list[tuple[PromptPlan, RequestOutput]] = []
     by_id: dict[str, PromptPlan] = {}
@@ -278,9 +313,14 @@ def distill(cfg: DistillConfig) -> dict[str, Any]:
                     errors += 1
                     log.warning("prompt %d failed: %s", p.index, o.error)
                     continue
-                rec = {"index": p.index, "temperature": p.temperature, "seed": p.seed,
-                       "finish_reason": o.finish_reason, "prompt_ids": list(p.prompt_ids),
-                       "answer_ids": answer}
+                rec = {
+                    "index": p.index,
+                    "temperature": p.temperature,
+                    "seed": p.seed,
+                    "finish_reason": o.finish_reason,
+                    "prompt_ids": list(p.prompt_ids),
+                    "answer_ids": answer,
+                }
                 f.write(json.dumps(rec) + "\n")
                 done[p.index] = rec
                 new_tokens += len(answer)
@@ -293,16 +333,27 @@ def distill(cfg: DistillConfig) -> dict[str, Any]:
     bar.close()
     gen_seconds = time.perf_counter() - t_gen
     if stopped_early:
-        log.warning("distill: time budget of %s min reached; %d of %d prompts answered (rerun to "
-                    "continue)", cfg.max_minutes, len(done), len(plan))
+        log.warning(
+            "distill: time budget of %s min reached; %d of %d prompts answered (rerun to continue)",
+            cfg.max_minutes,
+            len(done),
+            len(plan),
+        )
     manifest = pack(out, plan_size=len(plan))
-    manifest.update({
-        "config": asdict(cfg), "complete": len(done) == len(plan), "errors": errors,
-        "this_run": {"new_sequences": new_seqs, "new_answer_tokens": new_tokens,
-                     "generate_seconds": round(gen_seconds, 2),
-                     "answer_tokens_per_s": round(new_tokens / max(gen_seconds, 1e-9), 1),
-                     "total_seconds": round(time.perf_counter() - t_start, 2)},
-    })
+    manifest.update(
+        {
+            "config": asdict(cfg),
+            "complete": len(done) == len(plan),
+            "errors": errors,
+            "this_run": {
+                "new_sequences": new_seqs,
+                "new_answer_tokens": new_tokens,
+                "generate_seconds": round(gen_seconds, 2),
+                "answer_tokens_per_s": round(new_tokens / max(gen_seconds, 1e-9), 1),
+                "total_seconds": round(time.perf_counter() - t_start, 2),
+            },
+        }
+    )
     (out / MANIFEST_FILE).write_text(json.dumps(manifest, indent=2) + "\n")
     return manifest
 
@@ -316,18 +367,26 @@ def pack(out_dir: str | Path, plan_size: int | None = None) -> dict[str, Any]:
     offsets = np.concatenate([[0], np.cumsum(lens)]).astype(np.int64)
     ids = np.concatenate([s[0] for s in seqs]).astype(np.int32) if seqs else np.zeros(0, np.int32)
     mask = np.concatenate([s[1] for s in seqs]).astype(np.uint8) if seqs else np.zeros(0, np.uint8)
-    for name, arr in (("ids", ids), ("mask", mask), ("offsets", offsets),
-                      ("index", np.asarray([int(r["index"]) for r in recs], dtype=np.int64)),
-                      ("temperature", np.asarray([float(r["temperature"]) for r in recs], np.float32))):
+    for name, arr in (
+        ("ids", ids),
+        ("mask", mask),
+        ("offsets", offsets),
+        ("index", np.asarray([int(r["index"]) for r in recs], dtype=np.int64)),
+        ("temperature", np.asarray([float(r["temperature"]) for r in recs], np.float32)),
+    ):
         np.save(out / f"{name}.npy", arr)
     reasons: dict[str, int] = {}
     for r in recs:
         reasons[str(r.get("finish_reason"))] = reasons.get(str(r.get("finish_reason")), 0) + 1
-    return {"sequences": len(recs), "plan_size": plan_size, "tokens": int(ids.size),
-            "answer_tokens": int(mask.sum()),
-            "greedy_sequences": int(sum(1 for r in recs if float(r["temperature"]) == 0.0)),
-            "finish_reasons": reasons,
-            "mean_answer_tokens": round(float(mask.sum()) / max(1, len(recs)), 1)}
+    return {
+        "sequences": len(recs),
+        "plan_size": plan_size,
+        "tokens": int(ids.size),
+        "answer_tokens": int(mask.sum()),
+        "greedy_sequences": int(sum(1 for r in recs if float(r["temperature"]) == 0.0)),
+        "finish_reasons": reasons,
+        "mean_answer_tokens": round(float(mask.sum()) / max(1, len(recs)), 1),
+    }
 
 
 # ---------------------------------------------------------------------------------- loading
@@ -354,7 +413,8 @@ class SequenceSet:
         return SequenceSet(
             ids=np.concatenate([p[0] for p in parts]) if parts else np.zeros(0, np.int64),
             mask=np.concatenate([p[1] for p in parts]) if parts else np.zeros(0, np.uint8),
-            offsets=np.concatenate([[0], np.cumsum(lens)]).astype(np.int64))
+            offsets=np.concatenate([[0], np.cumsum(lens)]).astype(np.int64),
+        )
 
     @property
     def num_answer_tokens(self) -> int:
@@ -365,25 +425,35 @@ def load_sequences(path: str | Path) -> SequenceSet:
     """A packed directory (``offsets.npy``), a directory with ``records.jsonl``, or a JSONL file."""
     p = Path(path)
     if p.is_dir() and (p / "offsets.npy").is_file():
-        packed = SequenceSet(ids=np.load(p / "ids.npy").astype(np.int64),
-                             mask=np.load(p / "mask.npy").astype(np.uint8),
-                             offsets=np.load(p / "offsets.npy").astype(np.int64))
+        packed = SequenceSet(
+            ids=np.load(p / "ids.npy").astype(np.int64),
+            mask=np.load(p / "mask.npy").astype(np.uint8),
+            offsets=np.load(p / "offsets.npy").astype(np.int64),
+        )
         n_records = len(read_records(p / RECORDS_FILE)) if (p / RECORDS_FILE).is_file() else len(packed)
         if n_records == len(packed):
             return packed
-        log.warning("%s: the packed arrays are stale (%d sequences, records.jsonl has %d); using the "
-                    "records", p, len(packed), n_records)
+        log.warning(
+            "%s: the packed arrays are stale (%d sequences, records.jsonl has %d); using the records",
+            p,
+            len(packed),
+            n_records,
+        )
     if p.is_dir():
         p = p / RECORDS_FILE
     if not p.is_file():
-        raise FileNotFoundError(f"no distilled data at {path} (expected a directory made by "
-                                "`python -m dspark_server.training.distill` or a records JSONL file)")
+        raise FileNotFoundError(
+            f"no distilled data at {path} (expected a directory made by "
+            "`python -m dspark_server.training.distill` or a records JSONL file)"
+        )
     recs = sorted(read_records(p), key=lambda r: int(r.get("index", 0)))
     seqs = [sequence_of(r) for r in recs]
     lens = np.asarray([len(s[0]) for s in seqs], dtype=np.int64)
-    return SequenceSet(ids=np.concatenate([s[0] for s in seqs]) if seqs else np.zeros(0, np.int64),
-                       mask=np.concatenate([s[1] for s in seqs]) if seqs else np.zeros(0, np.uint8),
-                       offsets=np.concatenate([[0], np.cumsum(lens)]).astype(np.int64))
+    return SequenceSet(
+        ids=np.concatenate([s[0] for s in seqs]) if seqs else np.zeros(0, np.int64),
+        mask=np.concatenate([s[1] for s in seqs]) if seqs else np.zeros(0, np.uint8),
+        offsets=np.concatenate([[0], np.cumsum(lens)]).astype(np.int64),
+    )
 
 
 # -------------------------------------------------------------------------------------- cli
@@ -391,8 +461,10 @@ def load_sequences(path: str | Path) -> SequenceSet:
 
 def main(argv: list[str] | None = None) -> int:
     d = DistillConfig(target_dir="")
-    p = argparse.ArgumentParser(description="Self-distillation: answer corpus prompts with the target "
-                                            "(resumable) and cache the token ids for drafter training.")
+    p = argparse.ArgumentParser(
+        description="Self-distillation: answer corpus prompts with the target "
+        "(resumable) and cache the token ids for drafter training."
+    )
     p.add_argument("--target", required=True, help="target model directory")
     p.add_argument("--corpus", default=d.corpus, help="corpus TRAINING split (documents JSONL)")
     p.add_argument("--out", default=d.out_dir)
@@ -408,11 +480,21 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--no-progress", action="store_true")
     a = p.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
-    cfg = DistillConfig(target_dir=a.target, corpus=a.corpus, out_dir=a.out, num_prompts=a.num_prompts,
-                        max_tokens=a.max_tokens, max_prompt_tokens=a.max_prompt_tokens,
-                        greedy_fraction=a.greedy_fraction, temperature=a.temperature,
-                        concurrency=a.concurrency, seed=a.seed, threads=a.threads,
-                        progress=not a.no_progress, max_minutes=a.max_minutes)
+    cfg = DistillConfig(
+        target_dir=a.target,
+        corpus=a.corpus,
+        out_dir=a.out,
+        num_prompts=a.num_prompts,
+        max_tokens=a.max_tokens,
+        max_prompt_tokens=a.max_prompt_tokens,
+        greedy_fraction=a.greedy_fraction,
+        temperature=a.temperature,
+        concurrency=a.concurrency,
+        seed=a.seed,
+        threads=a.threads,
+        progress=not a.no_progress,
+        max_minutes=a.max_minutes,
+    )
     m = distill(cfg)
     print(json.dumps({k: v for k, v in m.items() if k != "config"}, indent=2))
     return 0

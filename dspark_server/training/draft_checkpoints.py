@@ -16,8 +16,9 @@ from dspark_server.models.drafter_config import DraftConfig
 from dspark_server.models.loader import load_state
 
 
-def save_checkpoint(run_dir: str | Path, drafter: DSparkDrafter, opt: torch.optim.Optimizer,
-                    state: dict[str, Any]) -> Path:
+def save_checkpoint(
+    run_dir: str | Path, drafter: DSparkDrafter, opt: torch.optim.Optimizer, state: dict[str, Any]
+) -> Path:
     """``run_dir/ckpt``: drafter.safetensors, optim.safetensors (AdamW moments flattened by
     parameter index), state.json. Written to ``ckpt.tmp`` and swapped in, so a crash leaves the
     previous checkpoint (or ``ckpt.old``) intact."""
@@ -25,8 +26,11 @@ def save_checkpoint(run_dir: str | Path, drafter: DSparkDrafter, opt: torch.opti
     tmp, cur, old = run / "ckpt.tmp", run / "ckpt", run / "ckpt.old"
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
-    save_file({k: v.detach().contiguous() for k, v in drafter.state_dict().items()},
-              str(tmp / "drafter.safetensors"), metadata={"format": "pt"})
+    save_file(
+        {k: v.detach().contiguous() for k, v in drafter.state_dict().items()},
+        str(tmp / "drafter.safetensors"),
+        metadata={"format": "pt"},
+    )
     flat: dict[str, torch.Tensor] = {}
     for pid, st in opt.state_dict()["state"].items():
         for k, v in st.items():
@@ -54,8 +58,10 @@ def load_checkpoint(ckpt: str | Path, drafter: DSparkDrafter, opt: torch.optim.O
     state = json.loads((d / "state.json").read_text())
     saved_cfg = DraftConfig.from_hf_dict(state["draft_config"])
     if saved_cfg != drafter.config:
-        raise ValueError(f"checkpoint {d} is for another drafter configuration:\n  saved {saved_cfg}\n"
-                         f"  now   {drafter.config}")
+        raise ValueError(
+            f"checkpoint {d} is for another drafter configuration:\n  saved {saved_cfg}\n"
+            f"  now   {drafter.config}"
+        )
     load_state(drafter, load_file(str(d / "drafter.safetensors")))
     osd = opt.state_dict()
     per_param: dict[int, dict[str, torch.Tensor]] = {}

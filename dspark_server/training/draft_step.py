@@ -24,8 +24,9 @@ from dspark_server.training.losses import (
 
 
 @torch.no_grad()
-def target_pass(target: TargetModel, drafter: DSparkDrafter, ids: torch.Tensor,
-                anchors: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def target_pass(
+    target: TargetModel, drafter: DSparkDrafter, ids: torch.Tensor, anchors: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Features [B, S, n*H] of every position and the target logits of every block row
     [B, A, g, V] (row ``label - 1`` = anchor + k), computing the LM head only on needed rows."""
     b, s = ids.shape
@@ -33,14 +34,20 @@ def target_pass(target: TargetModel, drafter: DSparkDrafter, ids: torch.Tensor,
     rows = (label_positions(anchors, g) - 1).clamp(0, s - 1)  # [B, A, g]
     flat = (rows + torch.arange(b)[:, None, None] * s).reshape(-1)
     uniq, inverse = torch.unique(flat, return_inverse=True)
-    out = target(ids.reshape(-1), torch.arange(s).repeat(b), DenseCausalAttention(b, s),
-                 logits_rows=uniq, capture_layers=drafter.capture_layers)
+    out = target(
+        ids.reshape(-1),
+        torch.arange(s).repeat(b),
+        DenseCausalAttention(b, s),
+        logits_rows=uniq,
+        capture_layers=drafter.capture_layers,
+    )
     assert out.hidden is not None
     return out.hidden.view(b, s, -1), out.logits[inverse].view(*rows.shape, -1)
 
 
-def greedy_tau(draft_logits: torch.Tensor, target_logits: torch.Tensor,
-               eval_mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def greedy_tau(
+    draft_logits: torch.Tensor, target_logits: torch.Tensor, eval_mask: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Temperature-0 estimate: per block 1 + Σ_k Π_{i≤k} [argmax draft_i == argmax target_i]
     (teacher-forced). -> (sum over valid blocks, number of valid blocks)."""
     match = (draft_logits.argmax(-1) == target_logits.argmax(-1)) & eval_mask
@@ -57,8 +64,15 @@ class StepResult:
     weight: float  # Σ w of the batch (for weighting loss averages)
 
 
-def batch_loss(drafter: DSparkDrafter, target: TargetModel, batch: Batch, anchors_per_seq: int,
-               generator: torch.Generator, loss_cfg: LossConfig, with_greedy: bool = True) -> StepResult:
+def batch_loss(
+    drafter: DSparkDrafter,
+    target: TargetModel,
+    batch: Batch,
+    anchors_per_seq: int,
+    generator: torch.Generator,
+    loss_cfg: LossConfig,
+    with_greedy: bool = True,
+) -> StepResult:
     """Sample anchors, run the target and the drafter, compute the loss. ``with_greedy=False``
     skips the τ_greedy metric (two argmax passes over [B, A, g, V])."""
     g = drafter.gamma
@@ -74,9 +88,17 @@ def batch_loss(drafter: DSparkDrafter, target: TargetModel, batch: Batch, anchor
     return StepResult(res, gt, nb, w)
 
 
-def train_step(drafter: DSparkDrafter, target: TargetModel, opt: torch.optim.Optimizer, batch: Batch,
-               anchors_per_seq: int, generator: torch.Generator, lr: float, loss_cfg: LossConfig,
-               grad_clip: float = 1.0) -> tuple[StepResult, float]:
+def train_step(
+    drafter: DSparkDrafter,
+    target: TargetModel,
+    opt: torch.optim.Optimizer,
+    batch: Batch,
+    anchors_per_seq: int,
+    generator: torch.Generator,
+    lr: float,
+    loss_cfg: LossConfig,
+    grad_clip: float = 1.0,
+) -> tuple[StepResult, float]:
     for group in opt.param_groups:
         group["lr"] = lr
     drafter.train()
@@ -90,8 +112,14 @@ def train_step(drafter: DSparkDrafter, target: TargetModel, opt: torch.optim.Opt
 
 
 @torch.no_grad()
-def evaluate(drafter: DSparkDrafter, target: TargetModel, batches: list[Batch], anchors_per_seq: int,
-             loss_cfg: LossConfig, seed: int = 0) -> dict[str, Any]:
+def evaluate(
+    drafter: DSparkDrafter,
+    target: TargetModel,
+    batches: list[Batch],
+    anchors_per_seq: int,
+    loss_cfg: LossConfig,
+    seed: int = 0,
+) -> dict[str, Any]:
     """Held-out metrics with fixed anchors: loss terms (weighted like the loss), τ, τ_greedy,
     per-position acceptance / TV / accuracy (weighted by supervised rows)."""
     was = drafter.training
@@ -120,9 +148,12 @@ def evaluate(drafter: DSparkDrafter, target: TargetModel, batches: list[Batch], 
         count += c
     drafter.train(was)
     per = count.clamp_min(1.0)
-    return {**{k: round(v / max(wsum, 1e-9), 5) for k, v in tot.items()},
-            "tau": round(tau_sum / max(blocks, 1), 4), "tau_greedy": round(gtau_sum / max(blocks, 1), 4),
-            "accept_per_pos": [round(float(x), 4) for x in acc / per],
-            "accuracy_per_pos": [round(float(x), 4) for x in acc_pos / per],
-            "tv_per_pos": [round(float(x), 4) for x in tv_pos / per],
-            "blocks": blocks}
+    return {
+        **{k: round(v / max(wsum, 1e-9), 5) for k, v in tot.items()},
+        "tau": round(tau_sum / max(blocks, 1), 4),
+        "tau_greedy": round(gtau_sum / max(blocks, 1), 4),
+        "accept_per_pos": [round(float(x), 4) for x in acc / per],
+        "accuracy_per_pos": [round(float(x), 4) for x in acc_pos / per],
+        "tv_per_pos": [round(float(x), 4) for x in tv_pos / per],
+        "blocks": blocks,
+    }

@@ -141,15 +141,29 @@ def mask_token_id(target_dir: str | Path) -> int:
     return tid
 
 
-def build_drafter(target: TargetModel, mask_id: int, arch: DrafterArch, seed: int = 0,
-                  init_std: float = 0.02, num_anchors: int = 512) -> DSparkDrafter:
+def build_drafter(
+    target: TargetModel,
+    mask_id: int,
+    arch: DrafterArch,
+    seed: int = 0,
+    init_std: float = 0.02,
+    num_anchors: int = 512,
+) -> DSparkDrafter:
     """A freshly initialised drafter: N(0, init_std) matrices and embeddings, zero biases, unit
     norms (the Hugging Face ``_init_weights`` DeepSpec's ``PreTrainedModel`` drafter gets)."""
     ids = arch.target_layer_ids or default_layer_ids(target.config.num_hidden_layers)
-    cfg = DraftConfig.from_target(target.config, mask_token_id=mask_id, num_layers=arch.layers,
-                                  target_layer_ids=tuple(ids), gamma=arch.gamma, head_type=arch.head,
-                                  markov_rank=arch.markov_rank, confidence=arch.confidence,
-                                  intermediate_size=arch.intermediate_size, num_anchors=num_anchors)
+    cfg = DraftConfig.from_target(
+        target.config,
+        mask_token_id=mask_id,
+        num_layers=arch.layers,
+        target_layer_ids=tuple(ids),
+        gamma=arch.gamma,
+        head_type=arch.head,
+        markov_rank=arch.markov_rank,
+        confidence=arch.confidence,
+        intermediate_size=arch.intermediate_size,
+        num_anchors=num_anchors,
+    )
     drafter = DSparkDrafter(cfg, target)
     gen = torch.Generator().manual_seed(seed)
     with torch.no_grad():
@@ -194,8 +208,14 @@ def train_draft(cfg: DraftTrainConfig) -> dict[str, Any]:
     t_start = time.perf_counter()
     torch.set_num_threads(cfg.threads)
     target = load_target(cfg.target_dir)
-    drafter = build_drafter(target, mask_token_id(cfg.target_dir), cfg.arch, cfg.seed, cfg.init_std,
-                            num_anchors=cfg.anchors_per_seq)
+    drafter = build_drafter(
+        target,
+        mask_token_id(cfg.target_dir),
+        cfg.arch,
+        cfg.seed,
+        cfg.init_std,
+        num_anchors=cfg.anchors_per_seq,
+    )
     opt = make_optimizer(drafter, cfg)
     run = Path(cfg.run_dir) if cfg.run_dir else default_run_dir(cfg.out_dir)
     run.mkdir(parents=True, exist_ok=True)
@@ -208,11 +228,17 @@ def train_draft(cfg: DraftTrainConfig) -> dict[str, Any]:
         train_idx, held_idx = split_heldout(len(data), cfg.eval_fraction, cfg.max_eval_sequences)
         held_set = data.subset(held_idx)
     order = BatchOrder(train_idx, cfg.batch_size, cfg.seed)
-    held = [make_batch(held_set, list(range(i, min(i + cfg.batch_size, len(held_set)))), cfg.seq_len)
-            for i in range(0, len(held_set), cfg.batch_size)]
-    data_info = {"sequences": len(data), "train_sequences": int(len(train_idx)),
-                 "heldout_sequences": len(held_set), "answer_tokens": data.num_answer_tokens,
-                 "tokens": int(data.ids.size)}
+    held = [
+        make_batch(held_set, list(range(i, min(i + cfg.batch_size, len(held_set)))), cfg.seq_len)
+        for i in range(0, len(held_set), cfg.batch_size)
+    ]
+    data_info = {
+        "sequences": len(data),
+        "train_sequences": int(len(train_idx)),
+        "heldout_sequences": len(held_set),
+        "answer_tokens": data.num_answer_tokens,
+        "tokens": int(data.ids.size),
+    }
 
     step, train_seconds, tokens_seen, blocks_seen = 0, 0.0, 0, 0
     history: dict[str, list] = {"train": [], "heldout": []}
@@ -222,26 +248,41 @@ def train_draft(cfg: DraftTrainConfig) -> dict[str, Any]:
         step, train_seconds = st["step"], st["train_seconds"]
         tokens_seen, blocks_seen, history = st["tokens_seen"], st["blocks_seen"], st["history"]
         if st.get("data") != data_info:
-            log.warning("resuming with different data (%s, was %s): batches differ from the first run",
-                        data_info, st.get("data"))
+            log.warning(
+                "resuming with different data (%s, was %s): batches differ from the first run",
+                data_info,
+                st.get("data"),
+            )
         print(f"resumed from {ckpt} at step {step}", file=sys.stderr, flush=True)
     elif ckpt is not None and not cfg.overwrite:
         saved_step = json.loads((ckpt / "state.json").read_text())["step"]
-        raise FileExistsError(f"{run} holds a checkpoint (step {saved_step}); "
-                              "pass --resume to continue it or --overwrite to start again")
+        raise FileExistsError(
+            f"{run} holds a checkpoint (step {saved_step}); "
+            "pass --resume to continue it or --overwrite to start again"
+        )
     elif cfg.resume:
         print(f"no checkpoint in {run}: starting from step 0", file=sys.stderr, flush=True)
 
     n_params = sum(p.numel() for p in drafter.parameters())
-    print(f"drafter: {n_params:,} trainable parameters, head={drafter.config.head_type}, "
-          f"layers={drafter.config.num_hidden_layers}, gamma={drafter.gamma}, "
-          f"target_layer_ids={drafter.config.target_layer_ids}; data: {data_info}; run dir {run}",
-          file=sys.stderr, flush=True)
+    print(
+        f"drafter: {n_params:,} trainable parameters, head={drafter.config.head_type}, "
+        f"layers={drafter.config.num_hidden_layers}, gamma={drafter.gamma}, "
+        f"target_layer_ids={drafter.config.target_layer_ids}; data: {data_info}; run dir {run}",
+        file=sys.stderr,
+        flush=True,
+    )
 
     def state() -> dict[str, Any]:
-        return {"step": step, "train_seconds": round(train_seconds, 2), "tokens_seen": tokens_seen,
-                "blocks_seen": blocks_seen, "history": history, "data": data_info,
-                "draft_config": drafter.config.to_hf_dict(), "config": _jsonable(asdict(cfg))}
+        return {
+            "step": step,
+            "train_seconds": round(train_seconds, 2),
+            "tokens_seen": tokens_seen,
+            "blocks_seen": blocks_seen,
+            "history": history,
+            "data": data_info,
+            "draft_config": drafter.config.to_hf_dict(),
+            "config": _jsonable(asdict(cfg)),
+        }
 
     def run_eval() -> dict[str, Any]:
         t0 = time.perf_counter()
@@ -251,12 +292,20 @@ def train_draft(cfg: DraftTrainConfig) -> dict[str, Any]:
         return ev
 
     logf = (run / "log.jsonl").open("a" if step > 0 else "w")  # a fresh start replaces the old log
-    bar = tqdm(total=cfg.steps, initial=step, desc="train draft", disable=not cfg.progress,
-               file=sys.stderr, dynamic_ncols=True, mininterval=2.0)
+    bar = tqdm(
+        total=cfg.steps,
+        initial=step,
+        desc="train draft",
+        disable=not cfg.progress,
+        file=sys.stderr,
+        dynamic_ncols=True,
+        mininterval=2.0,
+    )
     if held and step == 0 and not history["heldout"]:
         ev = run_eval()
-        bar.write(f"step 0 heldout: loss {ev['loss']:.4f} tau {ev['tau']:.3f} "
-                  f"tau_greedy {ev['tau_greedy']:.3f}")
+        bar.write(
+            f"step 0 heldout: loss {ev['loss']:.4f} tau {ev['tau']:.3f} tau_greedy {ev['tau_greedy']:.3f}"
+        )
     ema: dict[str, float] = {}
     stopped = "completed"
     try:
@@ -264,47 +313,78 @@ def train_draft(cfg: DraftTrainConfig) -> dict[str, Any]:
             t0 = time.perf_counter()
             batch = make_batch(data, order.batch(step), cfg.seq_len)
             lr = lr_at(step, cfg)
-            r, gnorm = train_step(drafter, target, opt, batch, cfg.anchors_per_seq,
-                                  anchor_generator(cfg.seed, step), lr, cfg.loss, cfg.grad_clip)
+            r, gnorm = train_step(
+                drafter,
+                target,
+                opt,
+                batch,
+                cfg.anchors_per_seq,
+                anchor_generator(cfg.seed, step),
+                lr,
+                cfg.loss,
+                cfg.grad_clip,
+            )
             step += 1
             dt = time.perf_counter() - t0
             train_seconds += dt
             tokens_seen += batch.num_tokens
             blocks_seen += r.blocks
             res = r.res
-            cur = {"loss": float(res.loss.detach()), "tv": float(res.tv), "tau": float(res.tau),
-                   "acc1": float(res.accuracy_per_pos[0])}
+            cur = {
+                "loss": float(res.loss.detach()),
+                "tv": float(res.tv),
+                "tau": float(res.tau),
+                "acc1": float(res.accuracy_per_pos[0]),
+            }
             ema = {k: v if k not in ema else 0.9 * ema[k] + 0.1 * v for k, v in cur.items()}
             bar.update(1)
-            bar.set_postfix(loss=f"{ema['loss']:.3f}", tv=f"{ema['tv']:.3f}", acc1=f"{ema['acc1']:.2f}",
-                            tau=f"{ema['tau']:.2f}", lr=f"{lr:.1e}", s_step=f"{dt:.2f}",
-                            tok_s=f"{tokens_seen / max(train_seconds, 1e-9):.0f}")
+            bar.set_postfix(
+                loss=f"{ema['loss']:.3f}",
+                tv=f"{ema['tv']:.3f}",
+                acc1=f"{ema['acc1']:.2f}",
+                tau=f"{ema['tau']:.2f}",
+                lr=f"{lr:.1e}",
+                s_step=f"{dt:.2f}",
+                tok_s=f"{tokens_seen / max(train_seconds, 1e-9):.0f}",
+            )
             rec: dict[str, Any] = {
-                "step": step, "loss": round(cur["loss"], 5), "ce": round(float(res.ce), 5),
-                "tv": round(cur["tv"], 5), "confidence": round(float(res.confidence), 5),
+                "step": step,
+                "loss": round(cur["loss"], 5),
+                "ce": round(float(res.ce), 5),
+                "tv": round(cur["tv"], 5),
+                "confidence": round(float(res.confidence), 5),
                 "tau": round(cur["tau"], 4),
                 "accept_per_pos": [round(float(x), 4) for x in res.accept_per_pos],
                 "accuracy_per_pos": [round(float(x), 4) for x in res.accuracy_per_pos],
-                "lr": lr, "gnorm": round(gnorm, 4), "seconds": round(dt, 3), "tokens": batch.num_tokens,
-                "blocks": r.blocks}
+                "lr": lr,
+                "gnorm": round(gnorm, 4),
+                "seconds": round(dt, 3),
+                "tokens": batch.num_tokens,
+                "blocks": r.blocks,
+            }
             if step % 10 == 0 or step == cfg.steps:
                 history["train"].append({k: rec[k] for k in ("step", "loss", "tv", "tau")})
             if (cfg.eval_every and step % cfg.eval_every == 0 or step == cfg.steps) and held:
                 ev = run_eval()
                 rec["heldout"] = {k: ev[k] for k in ("loss", "tau", "tau_greedy")}
-                bar.write(f"step {step} heldout: loss {ev['loss']:.4f} tv {ev['tv']:.4f} tau {ev['tau']:.3f} "
-                          f"tau_greedy {ev['tau_greedy']:.3f} accept {_fmt(ev['accept_per_pos'])} "
-                          f"acc {_fmt(ev['accuracy_per_pos'])} ({ev['seconds']:.1f}s)")
+                bar.write(
+                    f"step {step} heldout: loss {ev['loss']:.4f} tv {ev['tv']:.4f} tau {ev['tau']:.3f} "
+                    f"tau_greedy {ev['tau_greedy']:.3f} accept {_fmt(ev['accept_per_pos'])} "
+                    f"acc {_fmt(ev['accuracy_per_pos'])} ({ev['seconds']:.1f}s)"
+                )
             logf.write(json.dumps(rec) + "\n")
             logf.flush()
-            over_budget = (cfg.max_minutes is not None
-                           and time.perf_counter() - t_start > 60.0 * cfg.max_minutes)
+            over_budget = (
+                cfg.max_minutes is not None and time.perf_counter() - t_start > 60.0 * cfg.max_minutes
+            )
             if step % cfg.ckpt_every == 0 or step == cfg.steps or over_budget:
                 save_checkpoint(run, drafter, opt, state())
             if over_budget and step < cfg.steps:
                 stopped = "time budget"
-                bar.write(f"time budget of {cfg.max_minutes} min reached at step {step}: checkpoint saved "
-                          f"in {run}; rerun with --resume to continue")
+                bar.write(
+                    f"time budget of {cfg.max_minutes} min reached at step {step}: checkpoint saved "
+                    f"in {run}; rerun with --resume to continue"
+                )
                 break
     except KeyboardInterrupt:
         stopped = "interrupted"
@@ -317,14 +397,24 @@ def train_draft(cfg: DraftTrainConfig) -> dict[str, Any]:
     drafter.eval()
     out = save_drafter(drafter, cfg.out_dir, include_shared=cfg.include_shared)
     last_eval = history["heldout"][-1] if history["heldout"] else None
-    info = {"status": stopped, "steps": step, "target_steps": cfg.steps, "parameters": n_params,
-            "train_seconds": round(train_seconds, 1),
-            "seconds_per_step": round(train_seconds / max(step, 1), 3),
-            "tokens_seen": tokens_seen, "tokens_per_s": round(tokens_seen / max(train_seconds, 1e-9), 1),
-            "blocks_seen": blocks_seen, "heldout": last_eval,
-            "heldout_history": [{k: e[k] for k in ("step", "loss", "tau", "tau_greedy")}
-                                for e in history["heldout"]],
-            "data": data_info, "run_dir": str(run), "config": _jsonable(asdict(cfg))}
+    info = {
+        "status": stopped,
+        "steps": step,
+        "target_steps": cfg.steps,
+        "parameters": n_params,
+        "train_seconds": round(train_seconds, 1),
+        "seconds_per_step": round(train_seconds / max(step, 1), 3),
+        "tokens_seen": tokens_seen,
+        "tokens_per_s": round(tokens_seen / max(train_seconds, 1e-9), 1),
+        "blocks_seen": blocks_seen,
+        "heldout": last_eval,
+        "heldout_history": [
+            {k: e[k] for k in ("step", "loss", "tau", "tau_greedy")} for e in history["heldout"]
+        ],
+        "data": data_info,
+        "run_dir": str(run),
+        "config": _jsonable(asdict(cfg)),
+    }
     (out / INFO_FILE).write_text(json.dumps(info, indent=2) + "\n")
     if stopped == "interrupted":
         raise KeyboardInterrupt
@@ -345,21 +435,27 @@ def _jsonable(x: Any) -> Any:
 def build_parser() -> argparse.ArgumentParser:
     d = DraftTrainConfig(target_dir="", data="", out_dir="")
     a0 = DrafterArch()
-    p = argparse.ArgumentParser(prog="dspark train draft",
-                                description="Train a DSpark drafter on self-distilled data (make the "
-                                            "data with `python -m dspark_server.training.distill`).")
+    p = argparse.ArgumentParser(
+        prog="dspark train draft",
+        description="Train a DSpark drafter on self-distilled data (make the "
+        "data with `python -m dspark_server.training.distill`).",
+    )
     p.add_argument("--target", required=True, help="target model directory (frozen)")
     p.add_argument("--data", required=True, help="distilled data directory or records JSONL file")
     p.add_argument("--out", required=True, help="output drafter directory (config.json + model.safetensors)")
-    p.add_argument("--run-dir", default=None,
-                   help="checkpoints and log (default work_data/draft_runs/<out name>-<hash>)")
+    p.add_argument(
+        "--run-dir", default=None, help="checkpoints and log (default work_data/draft_runs/<out name>-<hash>)"
+    )
     p.add_argument("--eval-data", default=None, help="held-out distilled data (default: a slice of --data)")
     p.add_argument("--gamma", type=int, default=a0.gamma)
     p.add_argument("--head", choices=("markov", "gated", "rnn", "none"), default=a0.head)
     p.add_argument("--layers", type=int, default=a0.layers)
     p.add_argument("--markov-rank", type=int, default=a0.markov_rank)
-    p.add_argument("--target-layers", default=None, help="comma-separated target layer ids "
-                                                         "(default: all but the last for <= 8 layers)")
+    p.add_argument(
+        "--target-layers",
+        default=None,
+        help="comma-separated target layer ids (default: all but the last for <= 8 layers)",
+    )
     p.add_argument("--no-confidence", action="store_true", help="no confidence head")
     p.add_argument("--intermediate-size", type=int, default=None)
     p.add_argument("--steps", type=int, default=d.steps)
@@ -376,24 +472,49 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--overwrite", action="store_true", help="start again even if a checkpoint exists")
     p.add_argument("--max-minutes", type=float, default=None, help="wall budget: checkpoint, export, exit")
     p.add_argument("--no-progress", action="store_true")
-    p.add_argument("--no-shared-copies", action="store_true",
-                   help="omit the target's embedding / LM-head copies from model.safetensors (smaller; "
-                        "this server and SGLang load it, DeepSpec's from_pretrained does not)")
+    p.add_argument(
+        "--no-shared-copies",
+        action="store_true",
+        help="omit the target's embedding / LM-head copies from model.safetensors (smaller; "
+        "this server and SGLang load it, DeepSpec's from_pretrained does not)",
+    )
     return p
 
 
 def config_from_args(a: argparse.Namespace) -> DraftTrainConfig:
     layer_ids = tuple(int(x) for x in a.target_layers.split(",")) if a.target_layers else None
-    arch = DrafterArch(gamma=a.gamma, head=a.head, layers=a.layers, markov_rank=a.markov_rank,
-                       target_layer_ids=layer_ids, confidence=not a.no_confidence,
-                       intermediate_size=a.intermediate_size)
-    return DraftTrainConfig(target_dir=a.target, data=a.data, out_dir=a.out, run_dir=a.run_dir,
-                            eval_data=a.eval_data, arch=arch, steps=a.steps, batch_size=a.batch_size,
-                            seq_len=a.seq_len, anchors_per_seq=a.anchors_per_seq, lr=a.lr,
-                            warmup_frac=a.warmup_frac, eval_every=a.eval_every, ckpt_every=a.ckpt_every,
-                            seed=a.seed, threads=a.threads, resume=a.resume, overwrite=a.overwrite,
-                            max_minutes=a.max_minutes, progress=not a.no_progress,
-                            include_shared=not a.no_shared_copies)
+    arch = DrafterArch(
+        gamma=a.gamma,
+        head=a.head,
+        layers=a.layers,
+        markov_rank=a.markov_rank,
+        target_layer_ids=layer_ids,
+        confidence=not a.no_confidence,
+        intermediate_size=a.intermediate_size,
+    )
+    return DraftTrainConfig(
+        target_dir=a.target,
+        data=a.data,
+        out_dir=a.out,
+        run_dir=a.run_dir,
+        eval_data=a.eval_data,
+        arch=arch,
+        steps=a.steps,
+        batch_size=a.batch_size,
+        seq_len=a.seq_len,
+        anchors_per_seq=a.anchors_per_seq,
+        lr=a.lr,
+        warmup_frac=a.warmup_frac,
+        eval_every=a.eval_every,
+        ckpt_every=a.ckpt_every,
+        seed=a.seed,
+        threads=a.threads,
+        resume=a.resume,
+        overwrite=a.overwrite,
+        max_minutes=a.max_minutes,
+        progress=not a.no_progress,
+        include_shared=not a.no_shared_copies,
+    )
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -57,8 +57,9 @@ def anchor_candidates(loss_mask: torch.Tensor) -> torch.Tensor:
     return m[:, :-1] & m[:, 1:]
 
 
-def sample_anchors(loss_mask: torch.Tensor, num_anchors: int,
-                   generator: torch.Generator | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+def sample_anchors(
+    loss_mask: torch.Tensor, num_anchors: int, generator: torch.Generator | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
     """-> anchors [B, A] (sorted; padding 0) and valid [B, A]."""
     cand = anchor_candidates(loss_mask)
     b, n = cand.shape
@@ -87,8 +88,9 @@ def gather_rows(x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
     return out.view(*positions.shape, *x.shape[2:])
 
 
-def block_labels(input_ids: torch.Tensor, loss_mask: torch.Tensor, anchors: torch.Tensor,
-                 valid: torch.Tensor, gamma: int) -> tuple[torch.Tensor, torch.Tensor]:
+def block_labels(
+    input_ids: torch.Tensor, loss_mask: torch.Tensor, anchors: torch.Tensor, valid: torch.Tensor, gamma: int
+) -> tuple[torch.Tensor, torch.Tensor]:
     """-> target_ids [B, A, g] and eval_mask [B, A, g] (bool, a contiguous prefix per block)."""
     s = input_ids.shape[1]
     pos = label_positions(anchors, gamma)
@@ -109,17 +111,23 @@ def l1_distance(draft_logits: torch.Tensor, target_logits: torch.Tensor) -> torc
     return (p - q).abs().sum(dim=-1)
 
 
-def dspark_loss(draft_logits: torch.Tensor, target_logits: torch.Tensor, target_ids: torch.Tensor,
-                eval_mask: torch.Tensor, confidence_logits: torch.Tensor | None,
-                cfg: LossConfig = LossConfig()) -> LossOutput:
+def dspark_loss(
+    draft_logits: torch.Tensor,
+    target_logits: torch.Tensor,
+    target_ids: torch.Tensor,
+    eval_mask: torch.Tensor,
+    confidence_logits: torch.Tensor | None,
+    cfg: LossConfig = LossConfig(),
+) -> LossOutput:
     """draft/target logits [B, A, g, V], target_ids / eval_mask [B, A, g], confidence logits
     [B, A, g] or None. The target logits are treated as constants (the target is frozen)."""
     g = draft_logits.shape[-2]
     mask = eval_mask.float()
     w = mask * position_weights(g, cfg.decay).to(draft_logits.device)
     den = w.sum() + 1e-6
-    ce_rows = F.cross_entropy(draft_logits.float().flatten(0, -2), target_ids.flatten(),
-                              reduction="none").view_as(w)
+    ce_rows = F.cross_entropy(
+        draft_logits.float().flatten(0, -2), target_ids.flatten(), reduction="none"
+    ).view_as(w)
     ce = (ce_rows * w).sum() / den
     l1 = l1_distance(draft_logits, target_logits.detach())
     tv = (l1 * w).sum() / den
@@ -137,9 +145,13 @@ def dspark_loss(draft_logits: torch.Tensor, target_logits: torch.Tensor, target_
         blocks = eval_mask.any(dim=-1).float()
         tau = ((1.0 + (c_star * mask).cumprod(dim=-1).sum(dim=-1)) * blocks).sum() / blocks.sum().clamp_min(1)
         return LossOutput(
-            loss=loss, ce=ce.detach(), tv=tv.detach(), confidence=conf.detach(),
+            loss=loss,
+            ce=ce.detach(),
+            tv=tv.detach(),
+            confidence=conf.detach(),
             accept_per_pos=(c_star * mask).sum(dim=dims) / per,
             tv_per_pos=(l1.detach() * mask).sum(dim=dims) / per,
             accuracy_per_pos=(correct * mask).sum(dim=dims) / per,
-            count_per_pos=count, tau=tau,
+            count_per_pos=count,
+            tau=tau,
         )

@@ -56,11 +56,16 @@ def prepare_data(cfg: DataConfig = DataConfig(), force: bool = False) -> dict[st
         np.save(out / f"{split}_ids.npy", ids)
         np.save(out / f"{split}_mask.npy", mask)
         n_chat = sum(1 for s in samples if not s[0][1])
-        manifest[split] = {"documents": len(docs), "samples": len(samples), "chat_samples": n_chat,
-                           "plain_samples": len(samples) - n_chat, "tokens": int(ids.size),
-                           "trained_tokens": int(mask.sum()),
-                           "bytes": sum(len(t.encode("utf-8")) for s in samples for t, _ in s),
-                           "seconds": round(time.time() - t0, 1)}
+        manifest[split] = {
+            "documents": len(docs),
+            "samples": len(samples),
+            "chat_samples": n_chat,
+            "plain_samples": len(samples) - n_chat,
+            "tokens": int(ids.size),
+            "trained_tokens": int(mask.sum()),
+            "bytes": sum(len(t.encode("utf-8")) for s in samples for t, _ in s),
+            "seconds": round(time.time() - t0, 1),
+        }
     manifest_path.write_text(json.dumps(manifest, indent=2) + "\n")
     return manifest
 
@@ -87,4 +92,4 @@ class TokenStream:
         span = self.ids.numel() - seq_len - 1
         n = max(1, min(n_windows, span // seq_len))
         starts = np.linspace(0, span, n).astype(np.int64)
-        return [self.windows(starts[i:i + batch], seq_len) for i in range(0, n, batch)]
+        return [self.windows(starts[i : i + batch], seq_len) for i in range(0, n, batch)]

@@ -89,8 +89,13 @@ def hf_config(arch: TargetArch, eos_ids: tuple[int, ...], pad_id: int) -> dict[s
 
 
 def generation_config(eos_ids: tuple[int, ...], pad_id: int) -> dict[str, Any]:
-    return {"bos_token_id": None, "eos_token_id": list(eos_ids), "pad_token_id": pad_id,
-            "do_sample": False, "max_new_tokens": 256}
+    return {
+        "bos_token_id": None,
+        "eos_token_id": list(eos_ids),
+        "pad_token_id": pad_id,
+        "do_sample": False,
+        "max_new_tokens": 256,
+    }
 
 
 def init_weights(model: TargetModel, std: float = 0.02) -> None:
@@ -129,8 +134,15 @@ def masked_loss(logits: torch.Tensor, y: torch.Tensor, m: torch.Tensor) -> torch
     return (ce * mf).sum() / mf.sum().clamp_min(1.0)
 
 
-def train_step(model: TargetModel, opt: torch.optim.Optimizer, x: torch.Tensor, y: torch.Tensor,
-               m: torch.Tensor, lr: float, clip: float = 1.0) -> tuple[float, float]:
+def train_step(
+    model: TargetModel,
+    opt: torch.optim.Optimizer,
+    x: torch.Tensor,
+    y: torch.Tensor,
+    m: torch.Tensor,
+    lr: float,
+    clip: float = 1.0,
+) -> tuple[float, float]:
     for g in opt.param_groups:
         g["lr"] = lr
     loss = masked_loss(forward_logits(model, x), y, m)
@@ -157,12 +169,16 @@ def evaluate(model: TargetModel, batches) -> float:
 def make_optimizer(model: TargetModel, lr: float, weight_decay: float) -> torch.optim.AdamW:
     decay = [p for n, p in model.named_parameters() if p.dim() >= 2 and not n.startswith("lm_head")]
     no_decay = [p for n, p in model.named_parameters() if p.dim() < 2]
-    return torch.optim.AdamW([{"params": decay, "weight_decay": weight_decay},
-                              {"params": no_decay, "weight_decay": 0.0}], lr=lr, betas=(0.9, 0.95))
+    return torch.optim.AdamW(
+        [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
+        lr=lr,
+        betas=(0.9, 0.95),
+    )
 
 
-def save_checkpoint(ckpt_dir: str | Path, model: TargetModel, opt: torch.optim.Optimizer,
-                    state: dict[str, Any]) -> None:
+def save_checkpoint(
+    ckpt_dir: str | Path, model: TargetModel, opt: torch.optim.Optimizer, state: dict[str, Any]
+) -> None:
     """Weights and AdamW moments as safetensors, step/config/history as JSON (no pickle)."""
     d = Path(ckpt_dir)
     d.mkdir(parents=True, exist_ok=True)
@@ -196,8 +212,14 @@ def load_checkpoint(ckpt_dir: str | Path, model: TargetModel, opt: torch.optim.O
     return json.loads((d / "state.json").read_text())
 
 
-def export_model(model: TargetModel, out_dir: str | Path, tokenizer_dir: str | Path,
-                 hf: dict[str, Any], gen: dict[str, Any], extra: dict[str, Any] | None = None) -> None:
+def export_model(
+    model: TargetModel,
+    out_dir: str | Path,
+    tokenizer_dir: str | Path,
+    hf: dict[str, Any],
+    gen: dict[str, Any],
+    extra: dict[str, Any] | None = None,
+) -> None:
     """Final Hugging Face directory: weights + config + tokenizer files + generation config."""
     out = Path(out_dir)
     save_target(model, out, hf)
@@ -249,8 +271,10 @@ def build_model(arch: TargetArch, tok: Tokenizer, seed: int = 0) -> tuple[Target
     eos = (tok.token_to_id(IM_END), tok.token_to_id(ENDOFTEXT))
     pad = tok.token_to_id(ENDOFTEXT)
     if None in eos or tok.get_vocab_size(with_added_tokens=True) != arch.vocab_size:
-        raise ValueError(f"tokenizer (vocab {tok.get_vocab_size(with_added_tokens=True)}) does not match "
-                         f"arch.vocab_size={arch.vocab_size} or lacks the special tokens")
+        raise ValueError(
+            f"tokenizer (vocab {tok.get_vocab_size(with_added_tokens=True)}) does not match "
+            f"arch.vocab_size={arch.vocab_size} or lacks the special tokens"
+        )
     hf = hf_config(arch, eos, pad)
     torch.manual_seed(seed)
     model = TargetModel(ModelConfig.from_hf_dict(hf))
@@ -277,8 +301,9 @@ def train_target(cfg: TrainConfig = TrainConfig()) -> dict[str, Any]:
         step, elapsed, tokens_seen, history = st["step"], st["elapsed"], st["tokens_seen"], st["history"]
         print(f"resumed from {ckpt} at step {step}", flush=True)
     train = TokenStream(cfg.data.out_dir, "train")
-    held = TokenStream(cfg.data.out_dir, "heldout").fixed_batches(cfg.eval_windows, cfg.batch_size,
-                                                                  cfg.seq_len)
+    held = TokenStream(cfg.data.out_dir, "heldout").fixed_batches(
+        cfg.eval_windows, cfg.batch_size, cfg.seq_len
+    )
     n_params = count_parameters(model)
     print(f"parameters: {n_params:,}  train tokens: {train.ids.numel():,}", flush=True)
     model.train()
@@ -298,37 +323,71 @@ def train_target(cfg: TrainConfig = TrainConfig()) -> dict[str, Any]:
         ema = loss if ema is None else 0.95 * ema + 0.05 * loss
         bar.update(1)
         bar.set_postfix(loss=f"{ema:.3f}", lr=f"{lr:.1e}", tok_s=f"{tokens_seen / max(elapsed, 1e-9):.0f}")
-        rec: dict[str, Any] = {"step": step, "loss": round(loss, 4), "ema": round(ema, 4), "lr": lr,
-                               "gnorm": round(gnorm, 3), "elapsed": round(elapsed, 1)}
+        rec: dict[str, Any] = {
+            "step": step,
+            "loss": round(loss, 4),
+            "ema": round(ema, 4),
+            "lr": lr,
+            "gnorm": round(gnorm, 3),
+            "elapsed": round(elapsed, 1),
+        }
         if step % 10 == 0:
             history["train"].append([step, round(ema, 4)])
         if step % cfg.eval_every == 0 or step == cfg.steps:
             t0 = time.time()
             rec["heldout"] = round(evaluate(model, held), 4)
             history["heldout"].append([step, rec["heldout"]])
-            bar.write(f"step {step}: train(ema) {ema:.4f}  heldout {rec['heldout']:.4f}  "
-                      f"({time.time() - t0:.1f}s eval)")
+            bar.write(
+                f"step {step}: train(ema) {ema:.4f}  heldout {rec['heldout']:.4f}  "
+                f"({time.time() - t0:.1f}s eval)"
+            )
             t_last = time.time()
         log.write(json.dumps(rec) + "\n")
         log.flush()
         if step % cfg.ckpt_every == 0 or step == cfg.steps:
-            save_checkpoint(ckpt, model, opt, {"step": step, "elapsed": elapsed, "tokens_seen": tokens_seen,
-                                               "history": history, "config": asdict(cfg)})
+            save_checkpoint(
+                ckpt,
+                model,
+                opt,
+                {
+                    "step": step,
+                    "elapsed": elapsed,
+                    "tokens_seen": tokens_seen,
+                    "history": history,
+                    "config": asdict(cfg),
+                },
+            )
             t_last = time.time()
         if cfg.max_minutes is not None and elapsed > cfg.max_minutes * 60 and step < cfg.steps:
             bar.write(f"time budget of {cfg.max_minutes} min reached at step {step}; stopping")
             rec = {"step": step, "heldout": round(evaluate(model, held), 4)}
             history["heldout"].append([step, rec["heldout"]])
-            save_checkpoint(ckpt, model, opt, {"step": step, "elapsed": elapsed, "tokens_seen": tokens_seen,
-                                               "history": history, "config": asdict(cfg)})
+            save_checkpoint(
+                ckpt,
+                model,
+                opt,
+                {
+                    "step": step,
+                    "elapsed": elapsed,
+                    "tokens_seen": tokens_seen,
+                    "history": history,
+                    "config": asdict(cfg),
+                },
+            )
             break
     bar.close()
     log.close()
     final_held = history["heldout"][-1][1] if history["heldout"] else evaluate(model, held)
-    info = {"parameters": n_params, "steps": step, "tokens_seen": tokens_seen,
-            "train_seconds": round(elapsed, 1), "final_train_loss_ema": history["train"][-1][1]
-            if history["train"] else None, "final_heldout_loss": final_held, "data": data_manifest,
-            "config": asdict(cfg)}
+    info = {
+        "parameters": n_params,
+        "steps": step,
+        "tokens_seen": tokens_seen,
+        "train_seconds": round(elapsed, 1),
+        "final_train_loss_ema": history["train"][-1][1] if history["train"] else None,
+        "final_heldout_loss": final_held,
+        "data": data_manifest,
+        "config": asdict(cfg),
+    }
     model.eval()
     export_model(model, cfg.out_dir, cfg.data.tokenizer_dir, hf, gen, info)
     return info
@@ -338,8 +397,9 @@ def train_target(cfg: TrainConfig = TrainConfig()) -> dict[str, Any]:
 
 
 @torch.no_grad()
-def greedy_generate(model: TargetModel, prompt_ids: list[int], max_new_tokens: int = 64,
-                    stop_ids: tuple[int, ...] = ()) -> list[int]:
+def greedy_generate(
+    model: TargetModel, prompt_ids: list[int], max_new_tokens: int = 64, stop_ids: tuple[int, ...] = ()
+) -> list[int]:
     """Greedy decoding by full recompute per token (for checks, not serving)."""
     ids = list(prompt_ids)
     out: list[int] = []
@@ -412,14 +472,33 @@ def main(argv: list[str] | None = None) -> int:
     if a.prepare_only:
         print(json.dumps(prepare_data(data, force=True), indent=2))
         return 0
-    arch = TargetArch(vocab_size=a.vocab_size, hidden_size=a.hidden_size,
-                      intermediate_size=a.intermediate_size, num_hidden_layers=a.layers,
-                      num_attention_heads=a.heads, num_key_value_heads=a.kv_heads, head_dim=a.head_dim)
-    cfg = TrainConfig(data=data, arch=arch, run_dir=a.run_dir, out_dir=a.out, steps=a.steps,
-                      batch_size=a.batch_size, seq_len=a.seq_len, lr=a.lr, warmup_steps=a.warmup_steps,
-                      eval_every=a.eval_every, ckpt_every=a.ckpt_every, seed=a.seed, threads=a.threads,
-                      resume=not a.no_resume, progress=not a.no_progress,
-                      max_minutes=a.max_minutes)
+    arch = TargetArch(
+        vocab_size=a.vocab_size,
+        hidden_size=a.hidden_size,
+        intermediate_size=a.intermediate_size,
+        num_hidden_layers=a.layers,
+        num_attention_heads=a.heads,
+        num_key_value_heads=a.kv_heads,
+        head_dim=a.head_dim,
+    )
+    cfg = TrainConfig(
+        data=data,
+        arch=arch,
+        run_dir=a.run_dir,
+        out_dir=a.out,
+        steps=a.steps,
+        batch_size=a.batch_size,
+        seq_len=a.seq_len,
+        lr=a.lr,
+        warmup_steps=a.warmup_steps,
+        eval_every=a.eval_every,
+        ckpt_every=a.ckpt_every,
+        seed=a.seed,
+        threads=a.threads,
+        resume=not a.no_resume,
+        progress=not a.no_progress,
+        max_minutes=a.max_minutes,
+    )
     info = train_target(cfg)
     print(json.dumps({k: v for k, v in info.items() if k not in ("data", "config")}, indent=2))
     return 0

@@ -51,8 +51,12 @@ def new_tokenizer() -> Tokenizer:
     return tok
 
 
-def train_tokenizer_from_texts(texts: Iterator[str] | list[str], vocab_size: int = 6144,
-                               min_frequency: int = 2, max_token_length: int = 24) -> Tokenizer:
+def train_tokenizer_from_texts(
+    texts: Iterator[str] | list[str],
+    vocab_size: int = 6144,
+    min_frequency: int = 2,
+    max_token_length: int = 24,
+) -> Tokenizer:
     tok = new_tokenizer()
     trainer = trainers.BpeTrainer(
         vocab_size=vocab_size,
@@ -69,8 +73,14 @@ def train_tokenizer_from_texts(texts: Iterator[str] | list[str], vocab_size: int
 def tokenizer_config_dict(tok: Tokenizer, model_max_length: int = 4096) -> dict:
     added = {}
     for tid, t in sorted(tok.get_added_tokens_decoder().items()):
-        added[str(tid)] = {"content": t.content, "lstrip": t.lstrip, "normalized": t.normalized,
-                           "rstrip": t.rstrip, "single_word": t.single_word, "special": t.special}
+        added[str(tid)] = {
+            "content": t.content,
+            "lstrip": t.lstrip,
+            "normalized": t.normalized,
+            "rstrip": t.rstrip,
+            "single_word": t.single_word,
+            "special": t.special,
+        }
     return {
         "add_bos_token": False,
         "add_prefix_space": False,
@@ -96,8 +106,12 @@ def save_tokenizer(tok: Tokenizer, out_dir: str | Path, model_max_length: int = 
     tok.save(str(out / "tokenizer.json"))
     cfg = tokenizer_config_dict(tok, model_max_length)
     (out / "tokenizer_config.json").write_text(json.dumps(cfg, indent=2, ensure_ascii=False) + "\n")
-    special_map = {"eos_token": ENDOFTEXT, "pad_token": ENDOFTEXT, "mask_token": MASK,
-                   "additional_special_tokens": [IM_START, IM_END, MASK]}
+    special_map = {
+        "eos_token": ENDOFTEXT,
+        "pad_token": ENDOFTEXT,
+        "mask_token": MASK,
+        "additional_special_tokens": [IM_START, IM_END, MASK],
+    }
     (out / "special_tokens_map.json").write_text(json.dumps(special_map, indent=2) + "\n")
 
 
@@ -111,11 +125,15 @@ def special_token_ids(tok: Tokenizer) -> dict[str, int]:
 
 def train_tokenizer(cfg: TokenizerConfig = TokenizerConfig()) -> Tokenizer:
     t0 = time.time()
-    tok = train_tokenizer_from_texts(_texts(cfg.corpus_dir), cfg.vocab_size, cfg.min_frequency,
-                                     cfg.max_token_length)
+    tok = train_tokenizer_from_texts(
+        _texts(cfg.corpus_dir), cfg.vocab_size, cfg.min_frequency, cfg.max_token_length
+    )
     save_tokenizer(tok, cfg.out_dir, cfg.model_max_length)
-    info = {"vocab_size": tok.get_vocab_size(with_added_tokens=True), "special_ids": special_token_ids(tok),
-            "train_seconds": round(time.time() - t0, 1)}
+    info = {
+        "vocab_size": tok.get_vocab_size(with_added_tokens=True),
+        "special_ids": special_token_ids(tok),
+        "train_seconds": round(time.time() - t0, 1),
+    }
     (Path(cfg.out_dir) / "tokenizer_manifest.json").write_text(json.dumps(info, indent=2) + "\n")
     return tok
 
@@ -128,10 +146,16 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--vocab-size", type=int, default=d.vocab_size)
     p.add_argument("--min-frequency", type=int, default=d.min_frequency)
     a = p.parse_args(argv)
-    tok = train_tokenizer(TokenizerConfig(corpus_dir=a.corpus, out_dir=a.out, vocab_size=a.vocab_size,
-                                          min_frequency=a.min_frequency))
-    print(json.dumps({"vocab_size": tok.get_vocab_size(with_added_tokens=True),
-                      "special_ids": special_token_ids(tok)}))
+    tok = train_tokenizer(
+        TokenizerConfig(
+            corpus_dir=a.corpus, out_dir=a.out, vocab_size=a.vocab_size, min_frequency=a.min_frequency
+        )
+    )
+    print(
+        json.dumps(
+            {"vocab_size": tok.get_vocab_size(with_added_tokens=True), "special_ids": special_token_ids(tok)}
+        )
+    )
     return 0
 
 
