@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TextIO
@@ -68,7 +68,7 @@ def generate(engine: LLMEngine, cfg: GenerateConfig) -> Iterator[dict]:
     finished = 0
     bar = tqdm(total=len(prompts), desc="generate", unit="req", disable=not cfg.progress, file=sys.stderr)
 
-    def sink_for(i: int):  # noqa: ANN202
+    def sink_for(i: int) -> Callable[[RequestOutput], None]:
         def sink(out: RequestOutput) -> None:
             parts.setdefault(i, []).append(out)
             if out.finished:

@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import json
 from dataclasses import replace
+from operator import itemgetter
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -148,7 +150,7 @@ def test_distill_resumes_without_regenerating(distilled: DistillConfig) -> None:
     assert m["this_run"]["new_sequences"] == 1 and m["sequences"] == 8
     m2 = distill(distilled)
     assert m2["this_run"]["new_sequences"] == 0
-    key = lambda r: r["index"]  # noqa: E731
+    key = itemgetter("index")
     assert sorted(read_records(out / "records.jsonl"), key=key) == sorted(
         [json.loads(x) for x in before.splitlines()], key=key
     )
@@ -205,7 +207,7 @@ def test_split_and_batch_order_are_deterministic() -> None:
     assert BatchOrder(train, 8, seed=3).batch(20) == order.batch(20)
 
 
-def _train_cfg(distilled: DistillConfig, tmp: Path, name: str, **kw) -> DraftTrainConfig:  # noqa: ANN003
+def _train_cfg(distilled: DistillConfig, tmp: Path, name: str, **kw: Any) -> DraftTrainConfig:
     args = dict(
         target_dir=distilled.target_dir,
         data=distilled.out_dir,

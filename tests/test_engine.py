@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import random
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -18,7 +19,7 @@ class Collector:
     def __init__(self) -> None:
         self.outputs: dict[str, list[RequestOutput]] = {}
 
-    def sink(self, rid: str):  # noqa: ANN201
+    def sink(self, rid: str) -> Callable[[RequestOutput], None]:
         return lambda out: self.outputs.setdefault(rid, []).append(out)
 
     def tokens(self, rid: str) -> list[int]:

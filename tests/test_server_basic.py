@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
@@ -11,7 +12,7 @@ from test_api_support import LoggedServer
 
 
 @pytest.fixture(scope="module")
-def server(tiny_model: Path):  # noqa: ANN201
+def server(tiny_model: Path) -> Iterator[LoggedServer]:
     proc = LoggedServer(["--model", str(tiny_model), "--max-model-len", "256"])
     try:
         proc.wait_ready()
@@ -20,7 +21,7 @@ def server(tiny_model: Path):  # noqa: ANN201
         proc.stop()
 
 
-def test_chat_and_completions_stream_and_not(server) -> None:  # noqa: ANN001
+def test_chat_and_completions_stream_and_not(server: LoggedServer) -> None:
     client = openai.OpenAI(base_url=f"{server.base_url}/v1", api_key="unused")
     model = client.models.list().data[0].id
     chat = client.chat.completions.create(
@@ -62,7 +63,7 @@ def test_chat_and_completions_stream_and_not(server) -> None:  # noqa: ANN001
     assert streamed == comp.choices[0].text
 
 
-def test_seeded_sampling_is_reproducible_over_http(server) -> None:  # noqa: ANN001
+def test_seeded_sampling_is_reproducible_over_http(server: LoggedServer) -> None:
     client = openai.OpenAI(base_url=f"{server.base_url}/v1", api_key="unused")
     kw = dict(model=client.models.list().data[0].id, prompt=[5, 6, 7], max_tokens=16, temperature=1.0)
     a = client.completions.create(seed=42, **kw).choices[0].text
@@ -70,7 +71,7 @@ def test_seeded_sampling_is_reproducible_over_http(server) -> None:  # noqa: ANN
     assert a != client.completions.create(seed=43, **kw).choices[0].text
 
 
-def test_bad_input_is_a_400_with_openai_error_body(server) -> None:  # noqa: ANN001
+def test_bad_input_is_a_400_with_openai_error_body(server: LoggedServer) -> None:
     client = openai.OpenAI(base_url=f"{server.base_url}/v1", api_key="unused", max_retries=0)
     model = client.models.list().data[0].id
     with pytest.raises(openai.BadRequestError) as exc:

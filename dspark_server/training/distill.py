@@ -30,6 +30,7 @@ import json
 import logging
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -122,7 +123,12 @@ def sampling_choice(index: int, cfg: DistillConfig) -> tuple[float, int]:
     return temp, cfg.seed * 1_000_003 + index
 
 
-def build_plan(cfg: DistillConfig, encode_chat, prompts: list[str] | None = None) -> list[PromptPlan]:  # noqa: ANN001
+EncodeChat = Callable[[list[dict[str, Any]]], list[int]]
+
+
+def build_plan(
+    cfg: DistillConfig, encode_chat: EncodeChat, prompts: list[str] | None = None
+) -> list[PromptPlan]:
     """The first ``num_prompts`` corpus prompts that fit ``max_prompt_tokens``.
 
     ``encode_chat(messages) -> ids`` is the serving tokenizer's ``encode_chat`` so the ids are
@@ -172,7 +178,7 @@ def _read_plan(path: Path) -> tuple[dict[str, Any], list[PromptPlan]]:
     return head, plan
 
 
-def load_or_build_plan(cfg: DistillConfig, encode_chat) -> list[PromptPlan]:  # noqa: ANN001
+def load_or_build_plan(cfg: DistillConfig, encode_chat: EncodeChat) -> list[PromptPlan]:
     """Reuse ``prompts.jsonl`` when it was made with the same settings and is long enough; else
     rebuild it (deterministic, so a longer plan starts with the shorter one)."""
     path = Path(cfg.out_dir) / PLAN_FILE
