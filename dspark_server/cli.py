@@ -300,7 +300,7 @@ def cmd_bench(a: argparse.Namespace) -> None:
     raise SystemExit(run_bench_command(a))
 
 
-TRAIN_MODULES = {"target": "target_train", "draft": "draft_train", "demo": "demo"}
+TRAIN_MODULES = {"target": "target_train", "draft": "draft_train", "demo": "demo", "widen": "widen"}
 
 
 def cmd_train(a: argparse.Namespace) -> None:
@@ -410,6 +410,7 @@ def build_parser() -> argparse.ArgumentParser:
         ("target", "the demo target (corpus, tokenizer and Qwen3 model)"),
         ("draft", "a DSpark drafter against a frozen target (self-distillation)"),
         ("demo", "the whole demo pair, end to end"),
+        ("widen", "a K-times wider twin of a target and drafter with the same outputs"),
     ):
         t = train_sub.add_parser(what, help=doc, add_help=False)
         t.add_argument("args", nargs=argparse.REMAINDER, help="options of the training module")
