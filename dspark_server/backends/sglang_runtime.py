@@ -9,6 +9,7 @@ import importlib.metadata
 import importlib.util
 import logging
 import os
+import re
 from collections.abc import Callable
 from dataclasses import replace
 from pathlib import Path
@@ -118,12 +119,16 @@ CALIBRATION_FILE = "sts_calibration.json"  # next to the drafter, as the native 
 PROFILES_DIR = Path(__file__).resolve().parents[2] / "profiles"
 
 
+def default_sglang_profile_path(model_path: str, gpu_name: str, tp_size: int) -> Path:
+    """Where ``dspark profile --backend sglang`` writes the table for this model, GPU and TP size."""
+    slug = re.sub(r"[^a-z0-9]+", "-", gpu_name.lower()).strip("-")[:40] or "gpu"
+    return Path("profiles") / f"{Path(model_path).name}__sglang__{slug}__tp{tp_size}.json"
+
+
 def with_default_files(cfg: SGLangConfig, gpu_name: str | None) -> SGLangConfig:
     """Fill what the native engine also finds by itself: the STS calibration next to the drafter,
     and (dspark mode) the SPS table ``dspark profile --backend sglang`` writes for this model,
     GPU and TP size, in ./profiles or the package's profiles/."""
-    from dspark_server.jobs.profile_sglang import default_sglang_profile_path
-
     if not cfg.speculative:
         return cfg
     sts = cfg.sts_path

@@ -25,7 +25,6 @@ import contextlib
 import json
 import logging
 import os
-import re
 import signal
 import socket
 import subprocess
@@ -38,6 +37,12 @@ from pathlib import Path
 from typing import Any
 
 from dspark_server.backends.sglang_args import SGLANG_VERSION, SGLangConfig, build_server_kwargs
+from dspark_server.backends.sglang_runtime import (
+    check_draft_for_sglang,
+    cuda_status,
+    default_sglang_profile_path,
+    require_sglang_runtime,
+)
 from dspark_server.planner import SpsCostTable, load_sps_table, plot_sps_table, save_sps_table
 
 log = logging.getLogger(__name__)
@@ -101,11 +106,6 @@ def profile_server_kwargs(cfg: SGLangProfileConfig, port: int) -> dict[str, Any]
     return kw
 
 
-def default_sglang_profile_path(model_path: str, gpu_name: str, tp_size: int) -> Path:
-    slug = re.sub(r"[^a-z0-9]+", "-", gpu_name.lower()).strip("-")[:40] or "gpu"
-    return Path("profiles") / f"{Path(model_path).name}__sglang__{slug}__tp{tp_size}.json"
-
-
 def raw_dir_for(out: Path) -> Path:
     """Where SGLang's profiler writes its table, records, rounds and manifest."""
     return out.with_name(out.stem + ".sglang")
@@ -165,11 +165,6 @@ def _load_profiler(vocab_size: int) -> Any:
 
 
 def run_sglang_profile(cfg: SGLangProfileConfig) -> tuple[SpsCostTable, Path]:
-    from dspark_server.backends.sglang_runtime import (
-        check_draft_for_sglang,
-        cuda_status,
-        require_sglang_runtime,
-    )
     from dspark_server.config import ModelConfig
 
     version = require_sglang_runtime()
