@@ -37,6 +37,7 @@ from typing import Any
 import torch
 from safetensors.torch import save_file
 
+from dspark_server.models.drafter_checkpoint import SHARED_NAMES
 from dspark_server.models.drafter_config import DraftConfig
 from dspark_server.models.loader import read_safetensors_dir
 
@@ -71,7 +72,7 @@ class WidenResult:
     target_dir: Path
     draft_dir: Path | None
     target_parameters: int
-    draft_parameters: int | None
+    draft_parameters: int | None  # without the shared embedding / LM-head copies
 
 
 # ----------------------------------------------------------------------------- tensor rules
@@ -232,12 +233,13 @@ def _write_dir(
     copied = _copy_others(src, dst)
     save_file(tensors, str(dst / "model.safetensors"), metadata={"format": "pt"})
     (dst / "config.json").write_text(json.dumps(config, indent=2) + "\n")
-    params = sum(t.numel() for t in tensors.values())
+    # a drafter's parameters leave out its copies of the target's embedding and LM head
+    params = sum(t.numel() for name, t in tensors.items() if name not in SHARED_NAMES or what == "Target")
     info = {
         "widened_copy": True,
         "source": str(src.resolve()),
         "factor": k,
-        "parameters_in_file": params,
+        "parameters": params,
         "rules": "hidden, heads, KV heads and MLP units repeated blockwise K times; matrices summing "
         "over a repeated dimension scaled 1/K; embeddings untied (dspark_server/training/widen.py)",
         "copied_unchanged": copied,
@@ -306,7 +308,9 @@ def main(argv: list[str] | None = None) -> int:
     mb = result.target_parameters * 4 / 1e6
     print(f"target: {result.target_dir} ({result.target_parameters:,} parameters, {mb:.0f} MB fp32)")
     if result.draft_dir is not None:
-        print(f"drafter: {result.draft_dir} ({result.draft_parameters:,} tensors' elements in file)")
+        print(
+            f"drafter: {result.draft_dir} ({result.draft_parameters:,} parameters besides the shared copies)"
+        )
     if not a.no_check:
         from dspark_server.training.widen_check import compare_pairs
 

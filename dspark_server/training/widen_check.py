@@ -15,7 +15,7 @@ import torch
 from dspark_server.models.attention import DenseCausalAttention
 from dspark_server.models.drafter_checkpoint import load_drafter
 from dspark_server.models.loader import load_target
-from dspark_server.models.target import TargetModel
+from dspark_server.models.target import TargetModel, TargetOutput
 
 
 @dataclass(frozen=True)
@@ -38,7 +38,8 @@ def sample_ids(vocab_size: int, length: int = 48, seed: int = 0) -> torch.Tensor
     return torch.randint(4 if vocab_size > 8 else 0, vocab_size, (length,), generator=g)
 
 
-def _prefill(target: TargetModel, ids: torch.Tensor, capture: tuple[int, ...] = ()):  # noqa: ANN202
+def prefill(target: TargetModel, ids: torch.Tensor, capture: tuple[int, ...] = ()) -> TargetOutput:
+    """One sequence's logits (every row) and captured layer outputs, no cache."""
     with torch.no_grad():
         return target(ids, torch.arange(len(ids)), DenseCausalAttention(1, len(ids)), capture_layers=capture)
 
@@ -60,11 +61,11 @@ def compare_pairs(
     a, b = load_target(src_target), load_target(twin_target)
     ids = sample_ids(a.config.vocab_size) if ids is None else ids
     if src_draft is None or twin_draft is None:
-        diff = _max_diff(_prefill(a, ids).logits, _prefill(b, ids).logits)
+        diff = _max_diff(prefill(a, ids).logits, prefill(b, ids).logits)
         assert diff is not None
         return PairDiff(diff)
     da, db = load_drafter(src_draft, a), load_drafter(twin_draft, b)
-    out_a, out_b = _prefill(a, ids, da.capture_layers), _prefill(b, ids, db.capture_layers)
+    out_a, out_b = prefill(a, ids, da.capture_layers), prefill(b, ids, db.capture_layers)
     assert out_a.hidden is not None and out_b.hidden is not None
     n = len(ids)
     anchors = torch.arange(1, n - da.gamma, max(1, (n - da.gamma) // 6))[None, :]
