@@ -140,6 +140,9 @@ class EngineConfig:
     max_batch_tokens: int = 512  # token budget of one engine step (prefill chunks + decodes)
     prefill_chunk: int = 256
     num_threads: int | None = None
+    # How attention reads the KV pool: "auto" (C++ kernel, else PyTorch), "kernel", "torch",
+    # "gather" (the old copy of every history); None: $DSPARK_ATTENTION, else "auto".
+    attention_impl: str | None = None
     spec: SpeculativeConfig = field(default_factory=SpeculativeConfig)
 
     def resolved_num_pages(self) -> int:

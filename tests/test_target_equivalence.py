@@ -68,14 +68,15 @@ CASES = [
 ]
 
 
+@pytest.mark.parametrize("impl", ["auto", "torch", "gather"])
 @pytest.mark.parametrize(("arch", "extra"), CASES)
-def test_mixed_ragged_batch_matches_transformers(tmp_path: Path, arch: str, extra: dict) -> None:
+def test_mixed_ragged_batch_matches_transformers(tmp_path: Path, arch: str, extra: dict, impl: str) -> None:
     model_dir, hf = _save_hf(tmp_path, arch, **extra)
     ours = load_target(model_dir)
     cfg = ours.config
     alloc = PageAllocator(num_pages=32, page_size=4)
     pool = KVPool(
-        cfg.num_hidden_layers, alloc.num_slots, cfg.num_key_value_heads, cfg.head_dim, torch.float32
+        cfg.num_hidden_layers, alloc.num_slots, cfg.num_key_value_heads, cfg.head_dim, torch.float32, impl
     )
     g = torch.Generator().manual_seed(1)
     seqs = [torch.randint(0, VOCAB, (n,), generator=g).tolist() for n in (11, 23, 17, 9)]

@@ -7,11 +7,8 @@ from dataclasses import dataclass
 import torch
 
 from dspark_server.engine.kv_cache import PageAllocator, PageTable
-from dspark_server.models.attention import AttentionGroup, KVPool, PagedAttention, build_group
-
-# Sequences adding at most this many tokens (decodes, verification blocks) share one padded
-# attention call; longer prefill chunks get a call of their own.
-SMALL_QUERY = 32
+from dspark_server.models.attention import KVPool, PagedAttention
+from dspark_server.models.paged_layout import PagedLayout
 
 
 @dataclass(frozen=True)
@@ -28,7 +25,7 @@ class PackedBatch:
     input_ids: torch.Tensor  # [T]
     positions: torch.Tensor  # [T]
     slot_mapping: torch.Tensor  # [T]
-    groups: tuple[AttentionGroup, ...]
+    layout: PagedLayout  # each chunk's query rows and key slots (it attends to its cache in place)
     offsets: tuple[int, ...]  # index of each chunk's first token in the packed dimension
     lengths: tuple[int, ...]
 
@@ -37,7 +34,7 @@ class PackedBatch:
         return int(self.input_ids.shape[0])
 
     def attention(self, pool: KVPool) -> PagedAttention:
-        return PagedAttention(pool, self.slot_mapping, self.groups)
+        return PagedAttention(pool, self.slot_mapping, self.layout)
 
     def last_rows(self) -> torch.Tensor:
         """Packed index of each chunk's last token."""
@@ -65,23 +62,11 @@ def pack(chunks: list[SeqChunk], allocator: PageAllocator) -> PackedBatch:
         seq_slots = allocator.slots(c.table, 0, c.start + n)
         kv_slots.append(seq_slots)
         slots.append(seq_slots[c.start :])
-    q_index = [torch.arange(o, o + n) for o, n in zip(offsets, lengths, strict=True)]
-    small = [i for i, n in enumerate(lengths) if n <= SMALL_QUERY]
-    large = [i for i, n in enumerate(lengths) if n > SMALL_QUERY]
-    groups: list[AttentionGroup] = []
-    if small:
-        groups.append(
-            build_group(
-                [q_index[i] for i in small], [kv_slots[i] for i in small], [positions[i] for i in small]
-            )
-        )
-    for i in large:
-        groups.append(build_group([q_index[i]], [kv_slots[i]], [positions[i]]))
     return PackedBatch(
         input_ids=torch.tensor(ids, dtype=torch.long),
         positions=torch.cat(positions),
         slot_mapping=torch.cat(slots),
-        groups=tuple(groups),
+        layout=PagedLayout.causal(lengths, kv_slots),
         offsets=tuple(offsets),
         lengths=tuple(lengths),
     )

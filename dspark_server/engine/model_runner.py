@@ -30,7 +30,12 @@ class ModelRunner:
         mc = self.target.config
         self.allocator = PageAllocator(cfg.resolved_num_pages(), cfg.page_size)
         self.pool = KVPool(
-            mc.num_hidden_layers, self.allocator.num_slots, mc.num_key_value_heads, mc.head_dim, self.dtype
+            mc.num_hidden_layers,
+            self.allocator.num_slots,
+            mc.num_key_value_heads,
+            mc.head_dim,
+            self.dtype,
+            impl=cfg.attention_impl,
         )
 
     @torch.inference_mode()

@@ -3,16 +3,30 @@
 A model layer computes q, k, v for the T tokens of a packed batch and hands them to a backend.
 The backend decides where keys live (a paged KV pool for serving, nothing for dense training)
 and which keys each query may see. Backends are tensors only: they know nothing of requests.
+
+Serving reads the pool in place (``paged_attend``): the C++ kernel of ``paged_kernel`` where it
+builds and supports the dtype / head size, else the blockwise PyTorch path of ``paged_torch``.
+A pool's ``impl`` chooses: "auto" (kernel, else PyTorch), "kernel" (fail if it cannot build),
+"torch", or "gather" (the old copy-every-history path of ``attention_gather``). The default comes
+from ``$DSPARK_ATTENTION`` (else "auto").
 """
 
 from __future__ import annotations
 
+import functools
+import os
 from dataclasses import dataclass
 from typing import Protocol
 
 import torch
 import torch.nn.functional as F
-from torch.nn.utils.rnn import pad_sequence
+
+from dspark_server.models.attention_gather import AttentionGroup, build_groups, gather_attend
+from dspark_server.models.paged_kernel import kernel_attention, kernel_supports, load_kernel
+from dspark_server.models.paged_layout import PagedLayout
+from dspark_server.models.paged_torch import torch_attention
+
+ATTENTION_IMPLS: tuple[str, ...] = ("auto", "kernel", "torch", "gather")
 
 
 class AttentionBackend(Protocol):
@@ -21,64 +35,111 @@ class AttentionBackend(Protocol):
         ...
 
 
+def default_impl() -> str:
+    impl = os.environ.get("DSPARK_ATTENTION", "auto")
+    if impl not in ATTENTION_IMPLS:
+        raise ValueError(f"DSPARK_ATTENTION={impl!r}: expected one of {ATTENTION_IMPLS}")
+    return impl
+
+
 class KVPool:
-    """Key/value storage for every layer, addressed by flat slot index (page * page_size + offset)."""
+    """Key/value storage for every layer, addressed by flat slot index (page * page_size + offset).
+
+    Layer l's keys are ``k[l]``, [num_slots, Hkv, D] = [num_pages, page_size, Hkv, D] in memory.
+    """
 
     def __init__(
-        self, num_layers: int, num_slots: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype
+        self,
+        num_layers: int,
+        num_slots: int,
+        num_kv_heads: int,
+        head_dim: int,
+        dtype: torch.dtype,
+        impl: str | None = None,
     ) -> None:
         shape = (num_layers, num_slots, num_kv_heads, head_dim)
         self.k = torch.zeros(shape, dtype=dtype)
         self.v = torch.zeros(shape, dtype=dtype)
+        self.impl = impl or default_impl()
+        if self.impl not in ATTENTION_IMPLS:
+            raise ValueError(f"attention impl {self.impl!r}: expected one of {ATTENTION_IMPLS}")
 
     @property
     def num_slots(self) -> int:
         return self.k.shape[1]
 
 
-@dataclass(frozen=True)
-class AttentionGroup:
-    """Requests whose queries are padded together into one attention call.
+def paged_attend(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    layout: PagedLayout,
+    impl: str = "auto",
+    want_lse: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Attention of q [T, Hq, D] over the keys ``layout`` assigns each row, read in place from
+    caches [S, Hkv, D] -> out [T, Hq, D] and, if asked, log-sum-exp [T, Hq] (float32; -inf or a
+    very negative number for a row that sees no key, whose output is then 0)."""
+    if impl in ("auto", "kernel"):
+        lib = load_kernel()
+        if lib is None and impl == "kernel":
+            raise RuntimeError("attention impl 'kernel' requested but the C++ kernel could not be built")
+        if lib is not None and kernel_supports(q, k_cache):
+            return kernel_attention(lib, q, k_cache, v_cache, layout, want_lse)
+    elif impl != "torch":
+        raise ValueError(f"paged_attend does not run impl {impl!r}")
+    return torch_attention(q, k_cache, v_cache, layout, want_lse)
 
-    q_index [G, Qmax]: packed-token index of each query (padding repeats a valid index).
-    q_valid [G, Qmax]: which entries are real queries.
-    kv_slots [G, Kmax]: pool slot of each visible key (padding points at slot 0).
-    mask [G, 1, Qmax, Kmax]: True where the query may attend to the key.
-    """
 
-    q_index: torch.Tensor
-    q_valid: torch.Tensor
-    kv_slots: torch.Tensor
-    mask: torch.Tensor
-    # (first slot, count) when the group is one sequence whose keys sit in consecutive slots:
-    # then they are read as a view of the pool instead of being gathered.
-    kv_range: tuple[int, int] | None = None
+def block_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Bidirectional attention inside each of R blocks: q [R, g, Hq, D], k/v [R, g, Hkv, D] ->
+    out [R, g, Hq, D] and log-sum-exp [R, g, Hq], both in float32 (float64 for float64)."""
+    cdt = torch.float64 if q.dtype == torch.float64 else torch.float32
+    rep = q.shape[2] // k.shape[2]
+    qq = q.transpose(1, 2).to(cdt)  # [R, Hq, g, D]
+    kk = k.transpose(1, 2).to(cdt).repeat_interleave(rep, dim=1)
+    vv = v.transpose(1, 2).to(cdt).repeat_interleave(rep, dim=1)
+    s = (qq @ kk.transpose(-1, -2)) * q.shape[-1] ** -0.5
+    lse = torch.logsumexp(s, dim=-1)
+    out = torch.softmax(s, dim=-1) @ vv
+    return out.transpose(1, 2), lse.transpose(1, 2)
+
+
+def merge_attention(
+    out_a: torch.Tensor, lse_a: torch.Tensor, out_b: torch.Tensor, lse_b: torch.Tensor
+) -> torch.Tensor:
+    """Softmax attention over the union of two disjoint key sets from each set's output and
+    log-sum-exp: out [..., H, D], lse [..., H] (lse_b finite)."""
+    lse = torch.logaddexp(lse_a, lse_b)
+    wa = torch.exp(lse_a - lse)[..., None]
+    wb = torch.exp(lse_b - lse)[..., None]
+    return out_a.to(wa.dtype) * wa + out_b.to(wb.dtype) * wb
 
 
 @dataclass(frozen=True)
 class PagedAttention:
     """Writes the new tokens' k/v into the pool, then attends over each sequence's cached keys.
 
-    The packed linear layers cost scale with the number of new tokens; attention is run per group
-    so that single-token decodes are never padded to the length of a prefill chunk.
+    The packed linear layers cost scale with the number of new tokens; attention reads every
+    sequence's keys where they lie in the pool (or, for impl "gather", copies them per group).
     """
 
     pool: KVPool
     slot_mapping: torch.Tensor  # [T] destination slot of each new token
-    groups: tuple[AttentionGroup, ...]
+    layout: PagedLayout
+
+    @functools.cached_property
+    def groups(self) -> tuple[AttentionGroup, ...]:
+        """The gather path's padded groups (built once per forward, only for impl "gather")."""
+        return build_groups(self.layout)
 
     def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         k_cache, v_cache = self.pool.k[layer], self.pool.v[layer]
         k_cache.index_copy_(0, self.slot_mapping, k.to(k_cache.dtype))
         v_cache.index_copy_(0, self.slot_mapping, v.to(v_cache.dtype))
-        out = torch.empty_like(q)
-        for g in self.groups:
-            qg = q[g.q_index].transpose(1, 2)  # [G, Hq, Qmax, D]
-            kg = gather_slots(k_cache, g.kv_slots, g.kv_range).transpose(1, 2)  # [G, Hkv, Kmax, D]
-            vg = gather_slots(v_cache, g.kv_slots, g.kv_range).transpose(1, 2)
-            og = _sdpa(qg, kg, vg, g.mask).transpose(1, 2)  # [G, Qmax, Hq, D]
-            out[g.q_index[g.q_valid]] = og[g.q_valid]
-        return out
+        if self.pool.impl == "gather":
+            return gather_attend(self.groups, q, k_cache, v_cache)
+        return paged_attend(q, k_cache, v_cache, self.layout, self.pool.impl)[0]
 
 
 @dataclass(frozen=True)
@@ -97,52 +158,3 @@ class DenseCausalAttention:
             qb, kb, vb, is_causal=True, enable_gqa=qb.shape[1] != kb.shape[1]
         )
         return out.transpose(1, 2).reshape(q.shape)
-
-
-def gather_slots(
-    cache: torch.Tensor, slots: torch.Tensor, kv_range: tuple[int, int] | None = None
-) -> torch.Tensor:
-    """cache [S, H, D] rows at slots [G, K] -> [G, K, H, D] (index_select is several times faster
-    than advanced indexing on CPU; a consecutive range is a view, no copy at all)."""
-    if kv_range is not None:
-        start, count = kv_range
-        return cache[start : start + count].unsqueeze(0)
-    return cache.index_select(0, slots.reshape(-1)).view(*slots.shape, *cache.shape[1:])
-
-
-def contiguous_range(slots: torch.Tensor) -> tuple[int, int] | None:
-    """(first, count) if the 1-D slot list is first, first+1, ..., else None."""
-    n = slots.numel()
-    if n == 0:
-        return None
-    first = int(slots[0])
-    if int(slots[-1]) - first != n - 1 or not bool((slots.diff() == 1).all()):
-        return None
-    return first, n
-
-
-def _sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=q.shape[1] != k.shape[1])
-
-
-def build_group(
-    q_index: list[torch.Tensor], kv_slots: list[torch.Tensor], q_positions: list[torch.Tensor]
-) -> AttentionGroup:
-    """Pad per-sequence query/key index tensors into one group with a causal-by-position mask.
-
-    Key j of a sequence sits at position j (keys are the sequence's cache in order), so a query at
-    position p sees keys 0..p.
-    """
-    lens = torch.tensor([len(x) for x in q_index])
-    klens = torch.tensor([len(x) for x in kv_slots])
-    qi = pad_sequence(q_index, batch_first=True)
-    qp = pad_sequence(q_positions, batch_first=True, padding_value=-1)
-    ks = pad_sequence(kv_slots, batch_first=True)
-    qmax, kmax = qi.shape[1], ks.shape[1]
-    qv = torch.arange(qmax)[None, :] < lens[:, None]
-    qi = torch.where(qv, qi, qi[:, :1])  # padding repeats a real query index
-    key_pos = torch.arange(kmax)
-    mask = (key_pos[None, None, :] <= qp[:, :, None]) & (key_pos[None, None, :] < klens[:, None, None])
-    mask |= ~qv[:, :, None]  # padded query rows attend to something so softmax stays finite
-    kv_range = contiguous_range(kv_slots[0]) if len(kv_slots) == 1 else None
-    return AttentionGroup(qi, qv, ks, mask[:, None], kv_range)

@@ -16,7 +16,7 @@ head WITHOUT the target's final norm). Block position k (0-based) predicts token
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -24,13 +24,13 @@ import torch.nn.functional as F
 from torch import nn
 from torch.nn.utils.rnn import pad_sequence
 
-from dspark_server.models.attention import KVPool, contiguous_range, gather_slots
+from dspark_server.models.attention import KVPool
+from dspark_server.models.drafter_attention import Attend, gather_attends, paged_block_attend
 from dspark_server.models.drafter_config import DraftConfig
 from dspark_server.models.drafter_heads import build_confidence_head, build_markov_head
 from dspark_server.models.layers import RMSNorm, RotaryEmbedding, SwiGLU, apply_rotary
+from dspark_server.models.paged_layout import PagedLayout
 from dspark_server.models.target import TargetModel
-
-Attend = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
 
 
 @dataclass(frozen=True)
@@ -155,11 +155,14 @@ class DSparkDrafter(nn.Module):
         """Pass as ``TargetModel.forward(capture_layers=...)`` to get this drafter's features."""
         return self.config.target_layer_ids
 
-    def new_kv_pool(self, num_slots: int, dtype: torch.dtype | None = None) -> KVPool:
-        """A context K/V pool with the same slot numbering as the target's pool."""
+    def new_kv_pool(
+        self, num_slots: int, dtype: torch.dtype | None = None, impl: str | None = None
+    ) -> KVPool:
+        """A context K/V pool with the same slot numbering as the target's pool (``impl``: how
+        ``backbone`` reads it, as for the target's pool)."""
         dtype = dtype or self.fc.weight.dtype
         cfg = self.config
-        return KVPool(len(self.layers), num_slots, cfg.num_key_value_heads, cfg.head_dim, dtype)
+        return KVPool(len(self.layers), num_slots, cfg.num_key_value_heads, cfg.head_dim, dtype, impl=impl)
 
     def embed(self, ids: torch.Tensor) -> torch.Tensor:
         return self.shared.embed_tokens(ids).to(self.fc.weight.dtype)
@@ -202,24 +205,13 @@ class DSparkDrafter(nn.Module):
         pos = (anchor_positions.long()[:, None] + torch.arange(g)).reshape(-1)
         x = self.embed(ids.reshape(-1))
         cos, sin = self.rotary_emb.cos_sin(pos, x.dtype)
-        cmax = ctx.slots.shape[1]
-        key_ok = torch.cat(
-            [torch.arange(cmax)[None, :] < ctx.lens[:, None], torch.ones(r, g, dtype=torch.bool)], dim=1
-        )
-        mask = key_ok[:, None, None, :]  # [R, 1, 1, Cmax + g]
         hq, hkv, d = self.config.num_attention_heads, self.config.num_key_value_heads, self.config.head_dim
-        kv_range = contiguous_range(ctx.slots[0]) if r == 1 else None
-        for i, layer in enumerate(self.layers):
-
-            def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, i: int = i) -> torch.Tensor:
-                kc = gather_slots(pool.k[i], ctx.slots, kv_range).to(k.dtype)  # [R, Cmax, Hkv, D]
-                vc = gather_slots(pool.v[i], ctx.slots, kv_range).to(v.dtype)
-                kk = torch.cat([kc, k.view(r, g, hkv, d)], dim=1).transpose(1, 2)
-                vv = torch.cat([vc, v.view(r, g, hkv, d)], dim=1).transpose(1, 2)
-                qq = q.view(r, g, hq, d).transpose(1, 2)
-                out = F.scaled_dot_product_attention(qq, kk, vv, attn_mask=mask, enable_gqa=hq != hkv)
-                return out.transpose(1, 2).reshape(r * g, hq, d)
-
+        if pool.impl == "gather":
+            attends = gather_attends(pool, ctx.slots, ctx.lens, r, g, (hq, hkv, d), len(self.layers))
+        else:
+            layout = PagedLayout.blocks(ctx.slots, ctx.lens, g)
+            attends = [paged_block_attend(pool, i, layout, r, g) for i in range(len(self.layers))]
+        for layer, attend in zip(self.layers, attends, strict=True):
             x = layer(x, cos, sin, attend)
         h = self.norm(x).view(r, g, -1)
         return DraftBlock(hidden=h, logits=self.base_logits(h))

@@ -1,0 +1,159 @@
+"""The C++ paged-attention kernel (kernels/paged_attention.cpp): built once, cached, called via ctypes.
+
+The kernel is plain C++ with no torch headers, so it compiles in about a second
+(``g++ -O3 -march=native -fopenmp``). The shared object is cached under
+``$DSPARK_KERNEL_CACHE`` (default ``~/.cache/dspark_server/kernels``), keyed by the source, the
+flags, the compiler and the CPU, and written atomically so concurrent processes can share it.
+When no compiler is available (or the build fails) ``load_kernel()`` returns None and callers use
+the PyTorch path in ``paged_torch``.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import hashlib
+import logging
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+from pathlib import Path
+
+import torch
+
+from dspark_server.models.paged_layout import PagedLayout
+
+log = logging.getLogger(__name__)
+
+SOURCE = Path(__file__).parent / "kernels" / "paged_attention.cpp"
+FLAGS = ("-O3", "-march=native", "-mprefer-vector-width=512", "-ffast-math", "-fopenmp", "-shared", "-fPIC")
+_DTYPES = {torch.float32: 0, torch.bfloat16: 1}
+_HEAD_DIMS = (16, 32, 64, 80, 96, 128, 256)
+_P = ctypes.c_void_p
+_I = ctypes.c_int64
+
+
+def _cpu_id() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("flags"):
+                return line
+    except OSError:
+        pass
+    return platform.processor()
+
+
+def _cache_dir() -> Path:
+    return Path(os.environ.get("DSPARK_KERNEL_CACHE", Path.home() / ".cache" / "dspark_server" / "kernels"))
+
+
+def _build(compiler: str) -> Path:
+    src = SOURCE.read_bytes()
+    version = subprocess.run([compiler, "--version"], capture_output=True, text=True, check=True).stdout
+    key = hashlib.sha256(b"\0".join([src, " ".join(FLAGS).encode(), version.encode(), _cpu_id().encode()]))
+    out = _cache_dir() / f"paged_attention_{key.hexdigest()[:16]}.so"
+    if out.is_file():
+        return out
+    out.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(suffix=".so", dir=out.parent)
+    os.close(fd)
+    try:
+        subprocess.run([compiler, *FLAGS, str(SOURCE), "-o", tmp], capture_output=True, text=True, check=True)
+        os.replace(tmp, out)
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+    return out
+
+
+@functools.cache
+def load_kernel() -> ctypes.CDLL | None:
+    """The compiled kernel, or None (no compiler, failed build, or DSPARK_NO_KERNEL=1)."""
+    if os.environ.get("DSPARK_NO_KERNEL") == "1":
+        return None
+    compiler = shutil.which(os.environ.get("CXX", "g++"))
+    if compiler is None:
+        log.warning("no C++ compiler found: paged attention uses the PyTorch path")
+        return None
+    try:
+        lib = ctypes.CDLL(str(_build(compiler)))
+    except (OSError, subprocess.CalledProcessError) as exc:
+        detail = getattr(exc, "stderr", "") or exc
+        log.warning("paged attention kernel unavailable (%s): using the PyTorch path", detail)
+        return None
+    fn = lib.dspark_paged_attention
+    fn.restype = ctypes.c_int
+    fn.argtypes = [
+        ctypes.c_int,
+        _P,
+        _P,
+        _P,
+        _P,
+        _I,
+        _P,
+        _P,
+        _P,
+        _I,
+        _I,
+        _I,
+        _I,
+        ctypes.c_float,
+        _P,
+        _P,
+        ctypes.c_int,
+    ]
+    return lib
+
+
+def kernel_supports(q: torch.Tensor, cache: torch.Tensor) -> bool:
+    """Whether the kernel handles these dtypes and head size (else use the PyTorch path)."""
+    return (
+        q.dtype in _DTYPES
+        and cache.dtype == q.dtype
+        and q.shape[-1] in _HEAD_DIMS
+        and q.shape[1] % cache.shape[1] == 0
+        and q.device.type == "cpu"
+    )
+
+
+def kernel_attention(
+    lib: ctypes.CDLL,
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    layout: PagedLayout,
+    want_lse: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """q [T, Hq, D], caches [S, Hkv, D] -> out [T, Hq, D] (and log-sum-exp [T, Hq] float32)."""
+    if not kernel_supports(q, k_cache):
+        raise ValueError(f"kernel does not support q {q.dtype} {tuple(q.shape)}, cache {k_cache.dtype}")
+    q = q.contiguous()
+    if not (k_cache.is_contiguous() and v_cache.is_contiguous()):
+        raise ValueError("KV caches must be contiguous")
+    t, hq, d = q.shape
+    out = torch.empty_like(q)
+    lse = torch.empty(t, hq, dtype=torch.float32) if want_lse else None
+    rc = lib.dspark_paged_attention(
+        _DTYPES[q.dtype],
+        q.data_ptr(),
+        k_cache.data_ptr(),
+        v_cache.data_ptr(),
+        layout.slots.data_ptr(),
+        layout.slots.shape[1],
+        layout.q_start.data_ptr(),
+        layout.q_len.data_ptr(),
+        layout.kv_limit.data_ptr(),
+        layout.num_seqs,
+        hq,
+        k_cache.shape[1],
+        d,
+        d**-0.5,
+        out.data_ptr(),
+        lse.data_ptr() if lse is not None else None,
+        torch.get_num_threads(),
+    )
+    if rc != 0:
+        raise RuntimeError(f"paged attention kernel failed with code {rc}")
+    return out, lse

@@ -1,0 +1,72 @@
+"""Where each sequence's queries and keys are, for attention that reads the KV pool in place."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+from torch.nn.utils.rnn import pad_sequence
+
+
+@dataclass(frozen=True)
+class PagedLayout:
+    """A batch of R sequences over a packed [T, ...] query tensor and a slot-addressed pool.
+
+    Sequence r's query rows are ``q_start[r] .. q_start[r] + q_len[r]`` of the packed batch; its key
+    position j lives in pool slot ``slots[r, j]`` (padding entries point at slot 0, page 0, which
+    is never handed out); query row t sees key positions ``0 .. kv_limit[t] - 1``. All int64.
+    ``q_lens`` / ``kv_lens`` repeat q_len and the key counts as Python ints for the PyTorch path.
+    """
+
+    q_start: torch.Tensor  # [R]
+    q_len: torch.Tensor  # [R]
+    slots: torch.Tensor  # [R, Kmax]
+    kv_limit: torch.Tensor  # [T]
+    q_lens: tuple[int, ...]
+    kv_lens: tuple[int, ...]
+
+    @property
+    def num_seqs(self) -> int:
+        return len(self.q_lens)
+
+    @classmethod
+    def causal(cls, q_lens: Sequence[int], kv_slots: Sequence[torch.Tensor]) -> PagedLayout:
+        """Sequences whose ``q_lens[r]`` new tokens are the last of their ``len(kv_slots[r])`` keys,
+        packed in order: query i of sequence r sits at position ``len - q_len + i`` and sees the
+        keys up to and including its own (decodes, verification blocks, prefill chunks)."""
+        kv_lens = [len(s) for s in kv_slots]
+        limits = [torch.arange(k - n + 1, k + 1) for n, k in zip(q_lens, kv_lens, strict=True)]
+        return cls._build(q_lens, kv_lens, kv_slots, torch.cat(limits))
+
+    @classmethod
+    def blocks(cls, slots: torch.Tensor, lens: torch.Tensor, block: int) -> PagedLayout:
+        """R blocks of ``block`` queries each (rows r*block ..), every query of block r seeing the
+        ``lens[r]`` keys at ``slots[r, :lens[r]]`` (the drafter's context, before its anchor)."""
+        r = slots.shape[0]
+        lens = lens.long()
+        q_len = torch.full((r,), block, dtype=torch.long)
+        return cls(
+            q_start=torch.arange(r, dtype=torch.long) * block,
+            q_len=q_len,
+            slots=slots.long().contiguous(),
+            kv_limit=lens.repeat_interleave(block),
+            q_lens=(block,) * r,
+            kv_lens=tuple(int(x) for x in lens),
+        )
+
+    @classmethod
+    def _build(
+        cls,
+        q_lens: Sequence[int],
+        kv_lens: Sequence[int],
+        kv_slots: Sequence[torch.Tensor],
+        limit: torch.Tensor,
+    ) -> PagedLayout:
+        q_len = torch.tensor(list(q_lens), dtype=torch.long)
+        starts = torch.cumsum(q_len, 0) - q_len
+        slots = pad_sequence([s.long() for s in kv_slots], batch_first=True)
+        return cls(starts, q_len, slots.contiguous(), limit.long(), tuple(q_lens), tuple(kv_lens))
+
+    def seq_slots(self, r: int) -> torch.Tensor:
+        return self.slots[r, : self.kv_lens[r]]

@@ -1,0 +1,195 @@
+"""In-place paged attention (C++ kernel and PyTorch path) against dense attention over the gathered
+history: ragged batches, mixed query lengths, GQA, page boundaries, page-0 padding, fp32 / bf16."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from test_drafter import data, make_drafter, make_target
+
+from dspark_server.engine.batch import SeqChunk, pack
+from dspark_server.engine.kv_cache import PageAllocator, PageTable
+from dspark_server.models import paged_kernel
+from dspark_server.models.attention import KVPool, block_attention, merge_attention, paged_attend
+from dspark_server.models.drafter import DraftContext
+from dspark_server.models.paged_layout import PagedLayout
+
+KERNEL = paged_kernel.load_kernel()
+needs_kernel = pytest.mark.skipif(KERNEL is None, reason="the C++ kernel could not be built here")
+IMPLS = [pytest.param("kernel", marks=needs_kernel), "torch"]
+TOL = {torch.float32: 1e-5, torch.bfloat16: 1e-2}
+
+
+def reference(
+    q: torch.Tensor, kc: torch.Tensor, vc: torch.Tensor, layout: PagedLayout
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Dense float64 attention, one sequence at a time, over its gathered keys."""
+    out = torch.zeros(q.shape, dtype=torch.float64)
+    lse = torch.full(q.shape[:2], float("-inf"), dtype=torch.float64)
+    for r in range(layout.num_seqs):
+        s, q0, n = layout.seq_slots(r), int(layout.q_start[r]), layout.q_lens[r]
+        if len(s) == 0:
+            continue
+        rep = q.shape[1] // kc.shape[1]
+        kk = kc[s].double().transpose(0, 1).repeat_interleave(rep, 0)  # [Hq, K, D]
+        vv = vc[s].double().transpose(0, 1).repeat_interleave(rep, 0)
+        sc = q[q0 : q0 + n].double().transpose(0, 1) @ kk.transpose(1, 2) * q.shape[-1] ** -0.5
+        visible = torch.arange(len(s))[None, :] < layout.kv_limit[q0 : q0 + n, None]
+        sc = sc.masked_fill(~visible, float("-inf"))
+        out[q0 : q0 + n] = (sc.softmax(-1) @ vv).transpose(0, 1)
+        lse[q0 : q0 + n] = torch.logsumexp(sc, -1).transpose(0, 1)
+    return out, lse
+
+
+def ragged_batch(
+    hq: int, hkv: int, d: int, dtype: torch.dtype, page_size: int = 16
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, PagedLayout]:
+    """Decodes, verification blocks and a 40-token prefill chunk after histories that end just
+    before, on and after page boundaries, with pages handed out interleaved (scattered)."""
+    g = torch.Generator().manual_seed(0)
+    q_lens = [1, 4, 8, 40, 1, 8, 1, 4]
+    starts = [15, 16, 17, 0, 100, 47, 0, 33]
+    alloc = PageAllocator(num_pages=64, page_size=page_size)
+    tables = [PageTable() for _ in q_lens]
+    for upto in range(0, max(s + n for s, n in zip(starts, q_lens, strict=True)) + 1, page_size):
+        for t, s, n in zip(tables, starts, q_lens, strict=True):
+            assert alloc.reserve(t, min(upto + 1, s + n))
+    kv_slots = [alloc.slots(t, 0, s + n) for t, s, n in zip(tables, starts, q_lens, strict=True)]
+    kc = torch.randn(alloc.num_slots, hkv, d, generator=g).to(dtype)
+    vc = torch.randn(alloc.num_slots, hkv, d, generator=g).to(dtype)
+    kc[:page_size], vc[:page_size] = 1e4, 1e4  # page 0 (padding) must never be read
+    q = torch.randn(sum(q_lens), hq, d, generator=g).to(dtype)
+    return q, kc, vc, PagedLayout.causal(q_lens, kv_slots)
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize(("hq", "hkv", "d"), [(4, 2, 64), (8, 2, 16), (4, 4, 128), (6, 2, 24)])
+def test_matches_dense_reference(impl: str, dtype: torch.dtype, hq: int, hkv: int, d: int) -> None:
+    q, kc, vc, layout = ragged_batch(hq, hkv, d, dtype)
+    out, lse = paged_attend(q, kc, vc, layout, impl, want_lse=True)
+    ref, ref_lse = reference(q, kc, vc, layout)
+    assert out.dtype == dtype and lse is not None
+    tol = TOL[dtype]
+    torch.testing.assert_close(out.double(), ref.to(dtype).double(), atol=tol, rtol=tol)
+    torch.testing.assert_close(lse.double(), ref_lse, atol=tol, rtol=tol)
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+def test_float64_and_unsupported_shapes_fall_back(impl: str) -> None:
+    q, kc, vc, layout = ragged_batch(4, 2, 16, torch.float64)
+    out, _ = paged_attend(q, kc, vc, layout, impl)
+    torch.testing.assert_close(out, reference(q, kc, vc, layout)[0], atol=1e-12, rtol=1e-12)
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_draft_blocks_with_empty_context(impl: str, dtype: torch.dtype) -> None:
+    """The drafter's layout: every query of a block sees its context (possibly none) and, merged
+    by log-sum-exp, its own block bidirectionally."""
+    g = torch.Generator().manual_seed(3)
+    r, blk, hq, hkv, d = 3, 5, 4, 2, 64
+    kc = torch.randn(200, hkv, d, generator=g).to(dtype)
+    vc = torch.randn(200, hkv, d, generator=g).to(dtype)
+    lens = torch.tensor([0, 17, 40])
+    slots = DraftContext.from_slot_lists(
+        [torch.randperm(180, generator=g)[: int(n)] + 20 for n in lens]
+    ).slots
+    layout = PagedLayout.blocks(slots, lens, blk)
+    q = torch.randn(r * blk, hq, d, generator=g).to(dtype)
+    k = torch.randn(r, blk, hkv, d, generator=g).to(dtype)
+    v = torch.randn(r, blk, hkv, d, generator=g).to(dtype)
+    out_c, lse_c = paged_attend(q, kc, vc, layout, impl, want_lse=True)
+    assert lse_c is not None
+    out_b, lse_b = block_attention(q.view(r, blk, hq, d), k, v)
+    got = merge_attention(out_c.view(out_b.shape), lse_c.view(lse_b.shape), out_b, lse_b)
+    # reference: keys = [context of r; block r], all visible
+    for i in range(r):
+        s = slots[i, : int(lens[i])]
+        kk = torch.cat([kc[s], k[i]]).double().transpose(0, 1).repeat_interleave(hq // hkv, 0)
+        vv = torch.cat([vc[s], v[i]]).double().transpose(0, 1).repeat_interleave(hq // hkv, 0)
+        qq = q[i * blk : (i + 1) * blk].double().transpose(0, 1)
+        ref = ((qq @ kk.transpose(1, 2) * d**-0.5).softmax(-1) @ vv).transpose(0, 1)
+        torch.testing.assert_close(got[i].double(), ref, atol=TOL[dtype], rtol=TOL[dtype])
+
+
+@pytest.mark.parametrize("impl", ["kernel", "torch", "auto"])
+def test_target_forward_equals_gather_path(impl: str) -> None:
+    """The whole packed forward (mixed prefill chunk, decodes, verification block) per impl."""
+    if impl == "kernel" and KERNEL is None:
+        pytest.skip("the C++ kernel could not be built here")
+    target = make_target()
+    cfg = target.config
+    outs = []
+    for which in (impl, "gather"):
+        alloc = PageAllocator(num_pages=40, page_size=4)
+        pool = KVPool(
+            cfg.num_hidden_layers,
+            alloc.num_slots,
+            cfg.num_key_value_heads,
+            cfg.head_dim,
+            torch.float32,
+            which,
+        )
+        tables = [PageTable() for _ in range(4)]
+        g = torch.Generator().manual_seed(5)
+        first = [
+            SeqChunk(t, 0, torch.randint(0, 90, (n,), generator=g).tolist())
+            for t, n in zip(tables, (9, 3, 14, 1), strict=True)
+        ]
+        second = [
+            SeqChunk(t, c.start + len(c.token_ids), [7] * n)
+            for t, c, n in zip(tables, first, (1, 40, 8, 4), strict=True)
+        ]
+        logits = []
+        for chunks in (first, second):
+            for c in chunks:
+                assert alloc.reserve(c.table, c.start + len(c.token_ids))
+            batch = pack(chunks, alloc)
+            with torch.no_grad():
+                logits.append(target(batch.input_ids, batch.positions, batch.attention(pool)).logits)
+            for c in chunks:
+                c.table.length = c.start + len(c.token_ids)
+        outs.append(torch.cat(logits))
+    torch.testing.assert_close(outs[0], outs[1], atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("impl", ["kernel", "torch"])
+def test_drafter_backbone_equals_gather_path(impl: str) -> None:
+    if impl == "kernel" and KERNEL is None:
+        pytest.skip("the C++ kernel could not be built here")
+    target = make_target()
+    d = make_drafter(target)
+    ids, feats = data()
+    slots = torch.randperm(60)[:24] + 4
+    a = torch.tensor([0, 7, 13, 24])
+    blocks = []
+    for which in (impl, "gather"):
+        pool = d.new_kv_pool(64, impl=which)
+        d.write_context(feats[0], torch.arange(24), slots, pool)
+        ctx = DraftContext.from_slot_lists([slots[: int(x)] for x in a])
+        blocks.append(d.backbone(ids[0, a.clamp(max=23)], a, ctx, pool))
+    torch.testing.assert_close(blocks[0].hidden, blocks[1].hidden, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(blocks[0].logits, blocks[1].logits, atol=1e-4, rtol=1e-5)
+
+
+def test_unknown_impl_is_rejected(monkeypatch: pytest.MonkeyPatch) -> None:
+    with pytest.raises(ValueError, match="attention impl"):
+        KVPool(1, 4, 1, 16, torch.float32, impl="flash")
+    monkeypatch.setenv("DSPARK_ATTENTION", "gather")
+    assert KVPool(1, 4, 1, 16, torch.float32).impl == "gather"
+
+
+@needs_kernel
+def test_kernel_build_is_cached(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    import shutil
+
+    monkeypatch.setenv("DSPARK_KERNEL_CACHE", str(tmp_path))
+    compiler = shutil.which("g++")
+    assert compiler is not None
+    first = paged_kernel._build(compiler)
+    stamp = first.stat().st_mtime_ns
+    assert first.parent == tmp_path and paged_kernel._build(compiler) == first
+    assert first.stat().st_mtime_ns == stamp and list(tmp_path.iterdir()) == [first]
