@@ -12,7 +12,7 @@ import itertools
 
 import torch
 
-from dspark_server.engine.verify import verify
+from dspark_server.engine.spec.verify import verify
 from dspark_server.planner import PlannerConfig, SpsCostTable, make_planner
 
 TABLE = SpsCostTable((1, 2, 3), (1.0, 0.5, 0.45), 3)

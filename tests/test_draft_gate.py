@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from dspark_server.engine.draft_gate import DraftGate
+from dspark_server.engine.spec.draft_gate import DraftGate
 
 
 def test_gate_measures_both_then_follows_the_faster_and_explores() -> None:

@@ -13,7 +13,7 @@ from dspark_server.config import EngineConfig, SpeculativeConfig
 from dspark_server.engine.engine import LLMEngine
 from dspark_server.engine.request import SamplingParams
 from dspark_server.engine.sampling import SamplingTensors, shape_probs
-from dspark_server.engine.speculative import Drafts
+from dspark_server.engine.spec.drafting import Drafts
 from dspark_server.models.attention import DenseCausalAttention
 from dspark_server.planner import StsCalibration, save_sts_calibration
 from dspark_server.testing.tiny import build_tiny_drafter, build_tiny_model

@@ -38,13 +38,16 @@ def test_lookup_uses_largest_probe_at_or_below(table: SpsCostTable) -> None:
     assert table.lookup(127) == 5.0
 
 
-def test_lookup_clamps_below_first_probe_and_above_max(table: SpsCostTable) -> None:
-    # SGLang: below the first probe reads the first value; above max_batch_tokens the last.
+def test_lookup_clamps_below_first_probe_and_grows_past_the_table(table: SpsCostTable) -> None:
+    # Below the first probe reads the first value (SGLang's reading); past max_batch_tokens the
+    # step time grows in proportion to B instead of staying flat: unmeasured tokens are never free.
     assert table.lookup(1) == 10.0
     assert table.lookup(0) == 10.0
     assert table.lookup(-5) == 10.0
     assert table.lookup(128) == 5.0
-    assert table.lookup(10_000) == 5.0
+    assert table.lookup(256) == pytest.approx(2.5)
+    assert table.lookup(10_000) == pytest.approx(5.0 * 128 / 10_000)
+    assert 128 * table.lookup(128) == pytest.approx(10_000 * table.lookup(10_000))
 
 
 def test_vectorised_lookups_match_scalar(table: SpsCostTable) -> None:

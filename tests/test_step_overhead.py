@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from dspark_server.engine.step_overhead import StepOverhead
+from dspark_server.engine.spec.step_overhead import StepOverhead
 
 
 def test_post_forward_time_is_averaged_per_load_bucket() -> None:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from dspark_server.engine.verify import verify
+from dspark_server.engine.spec.verify import verify
 
 
 def _emitted_first_tokens(p: torch.Tensor, q: torch.Tensor, ell: int, n: int, seed: int) -> torch.Tensor:

@@ -29,6 +29,7 @@ from dspark_server.engine.request import (
 )
 from dspark_server.engine.sampling import SamplingTensors, sample_from_logits
 from dspark_server.engine.scheduler import Scheduler, SchedulerOutput
+from dspark_server.engine.spec import SpecStepResult, SpeculativeDecoder, build_speculative
 from dspark_server.engine.stats import EngineStats
 from dspark_server.models.tokenizer import Tokenizer
 
@@ -37,8 +38,14 @@ log = logging.getLogger(__name__)
 
 class LLMEngine:
     def __init__(
-        self, cfg: EngineConfig, runner: ModelRunner | None = None, tokenizer: Tokenizer | None = None
+        self,
+        cfg: EngineConfig,
+        runner: ModelRunner | None = None,
+        tokenizer: Tokenizer | None = None,
+        spec: SpeculativeDecoder | None = None,
     ) -> None:
+        """``spec``: the speculative decoder to use; None builds the one ``cfg`` asks for
+        (none when there is no drafter or the mode is off)."""
         self.cfg = cfg
         if cfg.num_threads:
             torch.set_num_threads(cfg.num_threads)
@@ -48,11 +55,9 @@ class LLMEngine:
             cfg.model_dir, self.runner.target.config.eos_token_ids, self.tokenizer
         )
         self.max_model_len = min(cfg.max_model_len, self.runner.target.config.max_position_embeddings)
-        self.spec = None
-        if cfg.draft_dir and cfg.spec.mode != "off":
-            from dspark_server.engine.spec_setup import build_speculative
-
-            self.spec = build_speculative(cfg, self.runner)
+        if spec is None and cfg.draft_dir and cfg.spec.mode != "off":
+            spec = build_speculative(cfg, self.runner)
+        self.spec = spec
         lookahead = self.spec.gamma if self.spec is not None else 0
         self.scheduler = Scheduler(cfg, self.runner.allocator, decode_lookahead=lookahead)
         self.outputs = OutputProcessor(self.tokenizer, self.eos_token_ids)
@@ -145,23 +150,41 @@ class LLMEngine:
                 req.first_scheduled_time = now
         self.stats.prompt_tokens += sum(c.num_tokens for c in sched.prefills)
         if self.spec is not None:
-            self.spec.step(self, sched.decodes, sched.prefills)
+            self._run_speculative(self.spec, sched)
             return
-        chunks = [c for c in sched.prefills]
         seq_chunks = [SeqChunk(r.table, r.num_computed, [r.all_ids[-1]]) for r in sched.decodes]
-        seq_chunks += [SeqChunk(c.request.table, c.start, c.token_ids) for c in chunks]
-        sampling = sched.decodes + [c.request for c in chunks if c.completes]
-        tail = [1] * len(sched.decodes) + [1 if c.completes else 0 for c in chunks]
+        seq_chunks += [SeqChunk(c.request.table, c.start, c.token_ids) for c in sched.prefills]
+        tail = [1] * len(sched.decodes) + [1 if c.completes else 0 for c in sched.prefills]
         result = self.runner.forward(seq_chunks, tail)
         self.stats.record_batch(result.batch.num_tokens, result.seconds)
-        if not sampling:
+        completing = [c.request for c in sched.prefills if c.completes]
+        self._sample_next(sched.decodes + completing, result.output.logits)
+
+    def _run_speculative(self, spec: SpeculativeDecoder, sched: SchedulerOutput) -> None:
+        """The speculative step returns what each request emits; the engine commits it, samples
+        the completed prefills like the plain path does, and reports back what was kept."""
+        t0 = time.perf_counter()
+        prefill_tokens = sum(c.num_tokens for c in sched.prefills)
+        room = self.cfg.max_batch_tokens - len(sched.decodes) - prefill_tokens
+        result: SpecStepResult = spec.step(self.runner, sched.decodes, sched.prefills, max(0, room))
+        self.stats.record_batch(result.forward.batch.num_tokens, result.forward.seconds)
+        emitted = sum(self.commit(d.request, d.tokens, d.spec_round) for d in result.decodes)
+        completing = [c.request for c in sched.prefills if c.completes]
+        rows = torch.tensor(result.prefill_rows, dtype=torch.long)
+        self._sample_next(completing, result.forward.output.logits[rows])
+        spec.record(result, emitted, time.perf_counter() - t0)
+
+    def _sample_next(self, reqs: list[Request], logits: torch.Tensor) -> None:
+        """The one place a forward's last-token logits become each request's next token."""
+        if not reqs:
             return
         tokens = sample_from_logits(
-            result.output.logits,
-            SamplingTensors.from_params([r.params for r in sampling]),
-            [r.generator for r in sampling],
+            logits,
+            SamplingTensors.from_params([r.params for r in reqs]),
+            [r.generator for r in reqs],
+            [r.noise_key for r in reqs],
         )
-        for req, tok in zip(sampling, tokens.tolist(), strict=True):
+        for req, tok in zip(reqs, tokens.tolist(), strict=True):
             self.commit(req, [tok])
 
     def commit(self, req: Request, tokens: list[int], spec_round: tuple[int, int, int] | None = None) -> int:

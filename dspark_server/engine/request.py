@@ -11,6 +11,7 @@ from enum import Enum
 import torch
 
 from dspark_server.engine.kv_cache import PageTable
+from dspark_server.engine.noise import NoiseKey
 
 
 class InvalidRequestError(ValueError):
@@ -126,6 +127,13 @@ class Request:
     def __post_init__(self) -> None:
         seed = self.params.seed if self.params.seed is not None else int(torch.randint(0, 2**62, ()))
         self.generator.manual_seed(seed)
+
+    @property
+    def noise_key(self) -> NoiseKey | None:
+        """Seeded requests: the key of the next token's noise (see ``sampling.keyed_gumbel``)."""
+        if self.params.seed is None:
+            return None
+        return NoiseKey(self.params.seed, len(self.output_ids))
 
     @property
     def all_ids(self) -> list[int]:

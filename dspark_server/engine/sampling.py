@@ -4,6 +4,11 @@ The one place where sampling settings touch a distribution: the target's p and t
 both shaped here, so they cannot drift apart (lossless verification depends on it). Greedy rows
 (temperature 0) become one-hot distributions at the argmax, which makes rejection sampling reduce
 to "accept while the draft equals the target argmax".
+
+Requests with an explicit ``seed`` sample by the Gumbel-max trick with noise keyed by
+(seed, output position): token t is argmax(log p_t + G(seed, t)). The noise does not depend on
+the batch, the step or how many tokens a speculative round verified, so a seeded request emits
+the same tokens in every speculation mode and at every load (``keyed_gumbel``).
 """
 
 from __future__ import annotations
@@ -13,6 +18,7 @@ from dataclasses import dataclass
 
 import torch
 
+from dspark_server.engine.noise import NoiseKey, keyed_argmax
 from dspark_server.engine.request import GREEDY_BELOW, SamplingParams
 
 
@@ -88,20 +94,32 @@ def _mask_top_p(probs: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
     return kept / kept.sum(dim=-1, keepdim=True)
 
 
-def sample(probs: torch.Tensor, generators: Sequence[torch.Generator]) -> torch.Tensor:
-    """One token per row, each row drawn with its own request's generator."""
+def sample(
+    probs: torch.Tensor,
+    generators: Sequence[torch.Generator],
+    keys: Sequence[NoiseKey | None] | None = None,
+) -> torch.Tensor:
+    """One token per row: seeded rows (a key) by keyed Gumbel-max, others with their request's
+    own generator."""
     out = torch.empty(probs.shape[0], dtype=torch.long)
     for i, g in enumerate(generators):
-        out[i] = torch.multinomial(probs[i], 1, generator=g)
+        key = keys[i] if keys is not None else None
+        if key is not None:
+            out[i] = keyed_argmax(probs[i : i + 1], key)[0]
+        else:
+            out[i] = torch.multinomial(probs[i], 1, generator=g)
     return out
 
 
 def sample_from_logits(
-    logits: torch.Tensor, s: SamplingTensors, generators: Sequence[torch.Generator]
+    logits: torch.Tensor,
+    s: SamplingTensors,
+    generators: Sequence[torch.Generator],
+    keys: Sequence[NoiseKey | None] | None = None,
 ) -> torch.Tensor:
     if s.all_greedy:
         return logits.argmax(dim=-1)
-    tokens = sample(shape_probs(logits, s), generators)
+    tokens = sample(shape_probs(logits, s), generators, keys)
     greedy = s.greedy
     if greedy.any():
         tokens[greedy] = logits[greedy].argmax(dim=-1)

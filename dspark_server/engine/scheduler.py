@@ -48,7 +48,8 @@ class SchedulerOutput:
 
 class Scheduler:
     def __init__(self, cfg: EngineConfig, allocator: PageAllocator, decode_lookahead: int = 0) -> None:
-        """``decode_lookahead``: extra cache positions a decode may write (γ for speculation)."""
+        """``decode_lookahead``: extra cache positions a decode may write (γ for speculation):
+        reserved in the KV cache, not charged to the step's token budget."""
         self.cfg = cfg
         self.allocator = allocator
         self.decode_lookahead = decode_lookahead
@@ -86,7 +87,10 @@ class Scheduler:
                     break
             if req in self.running:
                 decodes.append(req)
-                budget -= 1 + self.decode_lookahead
+                # Only the anchor token is charged: drafts are verified in what prefill leaves
+                # (the speculative step caps sum l by it), so prefill gets what plain decoding
+                # would give it.
+                budget -= 1
         prefills = self._schedule_prefills(max(budget, 1) if not decodes else budget)
         return SchedulerOutput(decodes, prefills, preempted)
 

@@ -10,7 +10,7 @@ from typing import Any
 
 from dspark_server.config import EngineConfig
 from dspark_server.engine.engine import LLMEngine
-from dspark_server.engine.speculative import RoundRecord
+from dspark_server.engine.spec.rounds import RoundRecord
 from dspark_server.offline import GenerateConfig, generate
 
 

@@ -10,7 +10,7 @@ import torch
 
 from dspark_server.config import EngineConfig
 from dspark_server.engine.engine import LLMEngine
-from dspark_server.engine.speculative import RoundRecord
+from dspark_server.engine.spec.rounds import RoundRecord
 from dspark_server.offline import GenerateConfig, generate
 from dspark_server.planner import StsCalibration, fit_sts, plot_reliability_diagram, save_sts_calibration
 

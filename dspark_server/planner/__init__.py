@@ -13,6 +13,7 @@ from .planner import (
     ThresholdPlanner,
     VerifyPlanner,
     allocate_budget,
+    cap_lengths,
     make_planner,
     prefix_survival,
     steps_per_sec,
@@ -42,6 +43,7 @@ from .sts import (
 )
 
 __all__ = [
+    "cap_lengths",
     "PLANNER_MODES",
     "CalibrationDriftTracker",
     "DSparkBudgetPlanner",

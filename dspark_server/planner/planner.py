@@ -160,14 +160,34 @@ class VerifyPlanner(ABC):
         self._step_overhead_s = float(seconds)
 
     def plan(
-        self, confidences: torch.Tensor, *, budget_confidences: torch.Tensor | None = None
+        self,
+        confidences: torch.Tensor,
+        *,
+        budget_confidences: torch.Tensor | None = None,
+        max_draft_tokens: int | None = None,
+        extra_batch_tokens: int = 0,
     ) -> torch.Tensor:
-        """[R, gamma] calibrated confidences -> [R] int64 verify lengths."""
-        return self.plan_detailed(confidences, budget_confidences=budget_confidences).verify_lens
+        """[R, gamma] calibrated confidences -> [R] int64 verify lengths.
+
+        ``max_draft_tokens`` caps sum l_r (the step's token budget left after the prefill
+        chunks); ``extra_batch_tokens`` are tokens the same forward carries besides the
+        verification (prefill chunks), so a candidate is priced at SPS(extra + R + k). Both are
+        lengths, never token values, so planning stays lossless."""
+        return self.plan_detailed(
+            confidences,
+            budget_confidences=budget_confidences,
+            max_draft_tokens=max_draft_tokens,
+            extra_batch_tokens=extra_batch_tokens,
+        ).verify_lens
 
     @abstractmethod
     def plan_detailed(
-        self, confidences: torch.Tensor, *, budget_confidences: torch.Tensor | None = None
+        self,
+        confidences: torch.Tensor,
+        *,
+        budget_confidences: torch.Tensor | None = None,
+        max_draft_tokens: int | None = None,
+        extra_batch_tokens: int = 0,
     ) -> PlanResult: ...
 
     def _result(self, surv_pm: np.ndarray, lens: np.ndarray, budget: int | None = None) -> PlanResult:
@@ -180,7 +200,12 @@ class OffPlanner(VerifyPlanner):
     """No speculation: only the anchor is verified."""
 
     def plan_detailed(
-        self, confidences: torch.Tensor, *, budget_confidences: torch.Tensor | None = None
+        self,
+        confidences: torch.Tensor,
+        *,
+        budget_confidences: torch.Tensor | None = None,
+        max_draft_tokens: int | None = None,
+        extra_batch_tokens: int = 0,
     ) -> PlanResult:
         surv = _position_major_survival(confidences, self._config.gamma)
         return self._result(surv, np.zeros(surv.shape[1], dtype=np.int64))
@@ -190,20 +215,31 @@ class FixedPlanner(VerifyPlanner):
     """Verify every draft (l_r = gamma)."""
 
     def plan_detailed(
-        self, confidences: torch.Tensor, *, budget_confidences: torch.Tensor | None = None
+        self,
+        confidences: torch.Tensor,
+        *,
+        budget_confidences: torch.Tensor | None = None,
+        max_draft_tokens: int | None = None,
+        extra_batch_tokens: int = 0,
     ) -> PlanResult:
         surv = _position_major_survival(confidences, self._config.gamma)
-        return self._result(surv, np.full(surv.shape[1], self._config.gamma, dtype=np.int64))
+        lens = np.full(surv.shape[1], self._config.gamma, dtype=np.int64)
+        return self._result(surv, cap_lengths(lens, max_draft_tokens))
 
 
 class ThresholdPlanner(VerifyPlanner):
     """l_r = largest j with a(r, j) >= threshold (0 if none)."""
 
     def plan_detailed(
-        self, confidences: torch.Tensor, *, budget_confidences: torch.Tensor | None = None
+        self,
+        confidences: torch.Tensor,
+        *,
+        budget_confidences: torch.Tensor | None = None,
+        max_draft_tokens: int | None = None,
+        extra_batch_tokens: int = 0,
     ) -> PlanResult:
         surv = _position_major_survival(confidences, self._config.gamma)
-        return self._result(surv, (surv >= self._config.threshold).sum(axis=0))
+        return self._result(surv, cap_lengths((surv >= self._config.threshold).sum(axis=0), max_draft_tokens))
 
 
 def _require_table(planner: VerifyPlanner) -> SpsCostTable:
@@ -222,7 +258,12 @@ class DSparkPlanner(VerifyPlanner):
     """
 
     def plan_detailed(
-        self, confidences: torch.Tensor, *, budget_confidences: torch.Tensor | None = None
+        self,
+        confidences: torch.Tensor,
+        *,
+        budget_confidences: torch.Tensor | None = None,
+        max_draft_tokens: int | None = None,
+        extra_batch_tokens: int = 0,
     ) -> PlanResult:
         table = _require_table(self)
         surv = _position_major_survival(confidences, self._config.gamma)
@@ -234,9 +275,12 @@ class DSparkPlanner(VerifyPlanner):
         tau[0] = 0.0
         np.cumsum(values, out=tau[1:])
         tau += num_requests
-        theta = tau * steps_per_sec(table, num_requests, tau.size, self._step_overhead_s)
+        start = num_requests + max(0, int(extra_batch_tokens))
+        theta = tau * steps_per_sec(table, start, tau.size, self._step_overhead_s)
         declines = np.flatnonzero(theta[1:] <= theta[:-1])
         admitted = int(declines[0]) if declines.size else values.size
+        if max_draft_tokens is not None:  # a cap on the count keeps the leading-run property
+            admitted = min(admitted, max(0, int(max_draft_tokens)))
         lens = np.bincount(order[:admitted] % num_requests, minlength=num_requests)
         return PlanResult(
             torch.from_numpy(lens.astype(np.int64, copy=False)),
@@ -244,6 +288,27 @@ class DSparkPlanner(VerifyPlanner):
             float(tau[admitted]),
             float(theta[admitted]),
         )
+
+
+def cap_lengths(lens: np.ndarray, cap: int | None) -> np.ndarray:
+    """Admit positions position-major — position 1 of every request, then position 2, ... (lower
+    row first within a position) — until ``cap`` positions are admitted. A position's admission
+    then depends only on positions before it in that order, never on its own drafted token nor on
+    later positions of its request (which do depend on it): the cap stays lossless."""
+    lens = np.asarray(lens, dtype=np.int64).copy()
+    if cap is None or int(lens.sum()) <= cap:
+        return lens
+    cap = max(0, int(cap))
+    level, used = 0, 0
+    while True:
+        nxt = int(np.minimum(lens, level + 1).sum())
+        if nxt > cap:
+            break
+        level, used = level + 1, nxt
+    out = np.minimum(lens, level)
+    extra = np.flatnonzero(lens > level)[: cap - used]
+    out[extra] += 1
+    return out
 
 
 def _budget_from_pm(
@@ -308,7 +373,12 @@ class DSparkBudgetPlanner(VerifyPlanner):
     """
 
     def plan_detailed(
-        self, confidences: torch.Tensor, *, budget_confidences: torch.Tensor | None = None
+        self,
+        confidences: torch.Tensor,
+        *,
+        budget_confidences: torch.Tensor | None = None,
+        max_draft_tokens: int | None = None,
+        extra_batch_tokens: int = 0,
     ) -> PlanResult:
         table = _require_table(self)
         if budget_confidences is None:
@@ -318,6 +388,8 @@ class DSparkBudgetPlanner(VerifyPlanner):
         if history.shape[1] != surv.shape[1]:
             raise ValueError(f"budget_confidences has {history.shape[1]} rows, confidences {surv.shape[1]}")
         budget, _ = _budget_from_pm(history, table, self._config.survival_eps, self._step_overhead_s)
+        if max_draft_tokens is not None:
+            budget = min(budget, max(0, int(max_draft_tokens)))
         lens = _allocate_from_pm(surv, budget, self._config.survival_eps)
         return self._result(surv, lens, budget)
 

@@ -87,12 +87,18 @@ class SpsCostTable:
         return min(max(idx, 0), len(self.sample_batch_tokens) - 1)
 
     def lookup(self, batch_tokens: int) -> float:
-        return self.sample_steps_per_sec[self.probe_index(batch_tokens)]
+        return float(self.lookup_array(np.asarray([int(batch_tokens)]))[0])
 
     def lookup_array(self, batch_tokens: np.ndarray) -> np.ndarray:
-        """Vectorised :meth:`lookup` on a numpy array; float64, same shape."""
+        """Vectorised :meth:`lookup` on a numpy array; float64, same shape. Up to
+        ``max_batch_tokens`` the probes are a step function (SGLang's reading); past it the step
+        time grows in proportion to B — never a flat line: tokens beyond the table are never
+        free."""
         idx = np.searchsorted(self._probes_np, batch_tokens, side="right") - 1
-        return self._sps_np[np.clip(idx, 0, self._probes_np.size - 1)]
+        sps = self._sps_np[np.clip(idx, 0, self._probes_np.size - 1)]
+        end = int(self.max_batch_tokens)
+        b = np.asarray(batch_tokens)
+        return np.where(b > end, sps * end / np.maximum(b, 1), sps)
 
     def lookup_range(self, start: int, count: int) -> np.ndarray:
         """SPS at B = start, start + 1, ..., start + count - 1 (float64): the planner's hot
@@ -103,13 +109,11 @@ class SpsCostTable:
                 return self.lookup_array(np.arange(start, start + count))
             dense = self.lookup_array(np.arange(self.max_batch_tokens + 1))
             object.__setattr__(self, "_dense", dense)
-        lo = min(max(start, 0), dense.size)
-        hi = min(max(start + count, 0), dense.size)
-        out = np.empty(count)
-        below = lo - start
-        out[:below] = dense[0]
-        out[below : below + hi - lo] = dense[lo:hi]
-        out[below + hi - lo :] = dense[-1]
+        b = np.arange(start, start + count)
+        out = dense[np.clip(b, 0, dense.size - 1)]
+        end = int(self.max_batch_tokens)
+        if start + count - 1 > end:  # past the table: step time in proportion to B
+            out = np.where(b > end, dense[-1] * end / np.maximum(b, 1), out)
         return out
 
     def lookup_tensor(self, batch_tokens: torch.Tensor) -> torch.Tensor:

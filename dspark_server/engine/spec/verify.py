@@ -6,6 +6,11 @@ a bonus token from p_{ℓ+1}. The emitted sequence is then distributed exactly a
 from p, for any ℓ chosen without looking at the drafted tokens' values. p and q must be shaped by
 the same sampling settings (``sampling.shape_probs``); for greedy rows both are one-hot and this
 reduces to "accept while the draft equals the target argmax".
+
+Seeded requests (a ``NoiseKey``) verify by coupling instead (``engine/noise.py``): the drafts were
+drawn with the same keyed Gumbel noise the target's tokens are drawn with, a draft is accepted
+while it equals the target's keyed draw, and the first differing target draw is emitted; the tokens
+are exactly those plain decoding emits for the same seed.
 """
 
 from __future__ import annotations
@@ -14,6 +19,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
+
+from dspark_server.engine.noise import NoiseKey, keyed_argmax
 
 
 @dataclass(frozen=True)
@@ -28,6 +35,7 @@ def verify(
     target_probs: list[torch.Tensor],
     lengths: Sequence[int],
     generators: Sequence[torch.Generator],
+    keys: Sequence[NoiseKey | None] | None = None,
 ) -> VerifyOutcome:
     """Verify each request's first ℓ_r drafts.
 
@@ -39,6 +47,12 @@ def verify(
     next_tokens: list[int] = []
     for r, ell in enumerate(lengths):
         p = target_probs[r]
+        key = keys[r] if keys is not None else None
+        if key is not None:
+            n, token = _verify_keyed(draft_tokens[r, :ell].tolist(), p, key)
+            accepted.append(n)
+            next_tokens.append(token)
+            continue
         gen = generators[r]
         n = 0
         correction: int | None = None
@@ -66,6 +80,15 @@ def verify_greedy(draft_tokens: list[list[int]], target_argmax: list[list[int]])
         accepted.append(n)
         next_tokens.append(argmax[n])
     return VerifyOutcome(accepted, next_tokens)
+
+
+def _verify_keyed(drafts: list[int], p: torch.Tensor, key: NoiseKey) -> tuple[int, int]:
+    """Accept while each draft equals the target's keyed draw; emit the first differing draw."""
+    draws = keyed_argmax(p, key).tolist()
+    n = 0
+    while n < len(drafts) and drafts[n] == draws[n]:
+        n += 1
+    return n, draws[n]
 
 
 def _accept(px: float, qx: float, gen: torch.Generator) -> bool:

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import math
 
-from dspark_server.engine.draft_gate import DraftGate
+from dspark_server.engine.spec.draft_gate import DraftGate
 
 
 class StepOverhead:

@@ -7,11 +7,11 @@ import logging
 from pathlib import Path
 
 from dspark_server.config import EngineConfig
-from dspark_server.engine.draft_gate import DraftGate
 from dspark_server.engine.model_runner import ModelRunner
 from dspark_server.engine.profiler import cache_dir, machine_description, profile_key, profile_sps
-from dspark_server.engine.speculative import SpeculativeDecoder
-from dspark_server.engine.step_overhead import StepOverhead
+from dspark_server.engine.spec.decoder import SpeculativeDecoder
+from dspark_server.engine.spec.draft_gate import DraftGate
+from dspark_server.engine.spec.step_overhead import StepOverhead
 from dspark_server.models.drafter_checkpoint import load_drafter
 from dspark_server.planner import (
     CalibrationDriftTracker,

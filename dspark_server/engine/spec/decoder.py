@@ -1,0 +1,342 @@
+"""THE speculative step: draft -> plan -> verify (one ragged target forward) -> keep accepted.
+
+``SpeculativeDecoder.step`` returns a ``SpecStepResult`` — the tokens each decoding request
+emits, its round's (drafted, verified, accepted), the forward — and the engine commits it; the
+decoder never sees the engine. After the commit the engine hands back what the commit kept and
+how long the step took (``record``), which the draft gate and the step-overhead estimate learn
+from.
+
+Invariants between rounds, for every decoding request with ``n = num_tokens``:
+  * the target's KV cache holds positions 0..n-2; the anchor x0 = all_ids[-1] sits at n-1;
+  * the drafter's context K/V (same slots) hold the projected target features of 0..n-2.
+A round verifies [x0, x1..xℓ] at positions n-1..n-1+ℓ, keeps the target K/V and drafter context
+of x0..x_acc, and truncates the rest, which restores both invariants for the new anchor.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from dspark_server.engine.batch import SeqChunk
+from dspark_server.engine.kv_cache import PageAllocator
+from dspark_server.engine.model_runner import ForwardResult, ModelRunner
+from dspark_server.engine.request import Request
+from dspark_server.engine.sampling import SamplingTensors, shape_probs
+from dspark_server.engine.scheduler import ScheduledChunk
+from dspark_server.engine.spec.draft_gate import DraftGate
+from dspark_server.engine.spec.drafting import Drafts, sample_drafts
+from dspark_server.engine.spec.rounds import RoundRecord
+from dspark_server.engine.spec.step_overhead import StepOverhead
+from dspark_server.engine.spec.verify import VerifyOutcome, verify, verify_greedy
+from dspark_server.models.attention import KVPool
+from dspark_server.models.drafter import DraftContext, DSparkDrafter
+from dspark_server.planner import (
+    CalibrationDriftTracker,
+    LiveSpsTable,
+    SpsCostTable,
+    StsCalibration,
+    VerifyPlanner,
+    cap_lengths,
+    fit_roofline,
+    monotone_envelope,
+)
+
+
+@dataclass(frozen=True)
+class RequestTokens:
+    """What one decoding request emits this step: accepted drafts + the corrected/bonus token."""
+
+    request: Request
+    tokens: list[int]
+    spec_round: tuple[int, int, int] | None  # (drafted, verified, accepted); None: not drafted
+
+
+@dataclass(frozen=True)
+class SpecStepResult:
+    decodes: list[RequestTokens]
+    forward: ForwardResult
+    prefill_rows: list[int]  # logits row of each completing prefill chunk's last token, in order
+    drafted: bool
+    draft_seconds: float
+    prefill_tokens: int
+
+
+@dataclass(frozen=True)
+class _Plan:
+    lens: list[int]
+    confidences: torch.Tensor | None  # [R, γ] calibrated, as the planner saw them
+    survival: torch.Tensor | None
+
+
+class SpeculativeDecoder:
+    def __init__(
+        self,
+        drafter: DSparkDrafter,
+        pool: KVPool,
+        planner: VerifyPlanner,
+        calibration: StsCalibration,
+        live_sps: LiveSpsTable | None,
+        drift: CalibrationDriftTracker,
+        gamma: int,
+        gate: DraftGate | None = None,
+        overhead: StepOverhead | None = None,
+        greedy_calibration: StsCalibration | None = None,
+    ) -> None:
+        if not 1 <= gamma <= drafter.gamma:
+            raise ValueError(f"gamma must be in 1..{drafter.gamma} (the drafter's block size), got {gamma}")
+        for cal in (calibration, greedy_calibration or calibration):
+            if cal.gamma < gamma:
+                raise ValueError(f"calibration covers {cal.gamma} positions, gamma is {gamma}")
+        self.drafter = drafter
+        self.pool = pool
+        self.planner = planner
+        self.calibration = StsCalibration(temperatures=calibration.temperatures[:gamma])
+        # Temperature-0 requests accept a draft when it equals the argmax, far more often than
+        # rejection sampling at temperature 1 does: they get their own temperatures when fitted.
+        self.greedy_calibration = (
+            self.calibration
+            if greedy_calibration is None
+            else StsCalibration(temperatures=greedy_calibration.temperatures[:gamma])
+        )
+        self.live_sps = live_sps
+        self.drift = drift
+        self.gamma = gamma
+        self.gate = gate  # None: always draft (the fixed / threshold baselines)
+        self.overhead = overhead  # None: price steps by SPS(B) alone, as the method doc does
+        self._steps_since_refresh = 0
+        self._planned_from = planner.sps_table  # the table the planner's current one was made from
+        if planner.sps_table is not None:
+            planner.set_sps_table(self._planning_table(planner.sps_table))
+        self.last_verify_lens: list[int] = []
+        # Called once per step with every decoding request's round (calibration, evaluation).
+        self.round_observers: list[Callable[[RoundRecord], None]] = []
+
+    @torch.inference_mode()
+    def step(
+        self,
+        runner: ModelRunner,
+        decodes: list[Request],
+        prefills: list[ScheduledChunk],
+        max_draft_tokens: int | None = None,
+    ) -> SpecStepResult:
+        """One step for the decoding requests (and the step's prefill chunks, in the same
+        forward). ``max_draft_tokens`` caps Σℓ: the tokens of the step's budget prefill left."""
+        t_start = time.perf_counter()
+        sampling = SamplingTensors.from_params([r.params for r in decodes])
+        prefill_tokens = sum(c.num_tokens for c in prefills)
+        drafting = bool(decodes) and (self.gate is None or self.gate.choose(len(decodes)))
+        drafts = Drafts.empty(len(decodes), self.gamma)
+        plan = _Plan([0] * len(decodes), None, None)
+        draft_s = 0.0
+        if drafting:
+            drafts = self._draft(runner.allocator, decodes, sampling)
+            draft_s = time.perf_counter() - t_start
+            plan = self._plan(decodes, drafts, sampling, draft_s, max_draft_tokens, prefill_tokens)
+        self.last_verify_lens = plan.lens
+
+        anchor_pos = [r.num_computed for r in decodes]
+        forward, outcome, rows = self._verify(runner, decodes, prefills, drafts, plan.lens, sampling)
+        self._observe(decodes, drafts, plan, outcome)
+        self._keep_accepted(runner.allocator, decodes, anchor_pos, prefills, forward, outcome)
+        emitted = [
+            RequestTokens(
+                req,
+                drafts.tokens[i, : outcome.accepted[i]].tolist() + [outcome.next_tokens[i]],
+                (self.gamma, plan.lens[i], outcome.accepted[i]) if drafting else None,
+            )
+            for i, req in enumerate(decodes)
+        ]
+        return SpecStepResult(emitted, forward, rows, drafting, draft_s, prefill_tokens)
+
+    def record(self, result: SpecStepResult, emitted: int, step_seconds: float) -> None:
+        """After the engine committed ``result``: teach the gate and the overhead estimate."""
+        if not result.decodes:
+            return
+        # Under steady traffic almost every step also carries a prefill chunk: leave out its
+        # share of the forward (by token count) rather than the whole step, so the estimates
+        # keep learning instead of freezing on the rare prefill-free steps.
+        fwd = result.forward
+        prefill_s = fwd.seconds * result.prefill_tokens / max(1, fwd.batch.num_tokens)
+        step_s = step_seconds - prefill_s
+        num = len(result.decodes)
+        if self.gate is not None:
+            self.gate.record(num, result.drafted, emitted, step_s)
+        if self.overhead is not None:
+            self.overhead.record(num, step_s, fwd.seconds - prefill_s, result.draft_seconds)
+
+    # ---- phases ----------------------------------------------------------------------------
+
+    def _draft(self, alloc: PageAllocator, decodes: list[Request], sampling: SamplingTensors) -> Drafts:
+        """One backbone pass for all decoding requests, then the sequential head."""
+        anchor_pos = [r.num_computed for r in decodes]
+        anchors = torch.tensor([r.all_ids[-1] for r in decodes])
+        ctx = DraftContext.from_slot_lists(
+            [alloc.slots(r.table, 0, p) for r, p in zip(decodes, anchor_pos, strict=True)]
+        )
+        block = self.drafter.backbone(anchors, torch.tensor(anchor_pos), ctx, self.pool)
+        return self.sample_drafts(decodes, block, anchors, sampling, [r.generator for r in decodes])
+
+    def sample_drafts(
+        self,
+        decodes: list[Request],
+        block: object,
+        anchors: torch.Tensor,
+        sampling: SamplingTensors,
+        generators: Sequence[torch.Generator],
+    ) -> Drafts:
+        keys = [r.noise_key for r in decodes]
+        return sample_drafts(self.drafter, self.gamma, block, anchors, sampling, generators, keys)  # type: ignore[arg-type]
+
+    def _plan(
+        self,
+        decodes: list[Request],
+        drafts: Drafts,
+        sampling: SamplingTensors,
+        draft_s: float,
+        max_draft_tokens: int | None,
+        prefill_tokens: int,
+    ) -> _Plan:
+        """ℓ_r from calibrated confidences (never from the drafted tokens' values), capped by
+        the tokens a request may still emit and the step's budget (lengths only)."""
+        confidences = survival = None
+        if drafts.confidence_logits is not None:
+            confidences = self.calibrate(drafts.confidence_logits, sampling.temperature == 0)
+            survival = torch.cumprod(confidences, dim=1)
+            self._refresh_sps_table()
+            if self.overhead is not None:
+                self.planner.set_step_overhead(self.overhead.overhead(len(decodes), draft_s))
+            lens = self.planner.plan(
+                confidences, max_draft_tokens=max_draft_tokens, extra_batch_tokens=prefill_tokens
+            ).tolist()
+        else:
+            lens = [self.gamma] * len(decodes)
+        lens = [
+            max(0, min(ell, r.params.max_tokens - len(r.output_ids) - 1))
+            for ell, r in zip(lens, decodes, strict=True)
+        ]
+        if confidences is None and max_draft_tokens is not None:
+            lens = cap_lengths(np.asarray(lens), max_draft_tokens).tolist()
+        return _Plan(lens, confidences, survival)
+
+    def _verify(
+        self,
+        runner: ModelRunner,
+        decodes: list[Request],
+        prefills: list[ScheduledChunk],
+        drafts: Drafts,
+        lens: list[int],
+        sampling: SamplingTensors,
+    ) -> tuple[ForwardResult, VerifyOutcome, list[int]]:
+        """[x0, x1..xℓ] per decoding request + the prefill chunks in one target forward, then
+        rejection sampling per request. Returns the forward, the outcome and the logits row of
+        each completing prefill chunk."""
+        chunks = [
+            SeqChunk(r.table, r.num_computed, [r.all_ids[-1]] + drafts.tokens[i, :ell].tolist())
+            for i, (r, ell) in enumerate(zip(decodes, lens, strict=True))
+        ]
+        chunks += [SeqChunk(c.request.table, c.start, c.token_ids) for c in prefills]
+        tail = [ell + 1 for ell in lens] + [1 if c.completes else 0 for c in prefills]
+        forward = runner.forward(chunks, tail, capture_layers=self.drafter.capture_layers)
+        logits = forward.output.logits
+        ends = torch.tensor(tail, dtype=torch.long).cumsum(0).tolist()
+        starts = [0] + ends[:-1]
+        if sampling.all_greedy:  # accept while the draft equals the target argmax
+            argmax = logits.argmax(dim=-1).tolist()
+            outcome = verify_greedy(
+                drafts.tokens.tolist(),
+                [argmax[s : s + ell + 1] for s, ell in zip(starts, lens, strict=False)],
+            )
+        else:
+            target_probs = [
+                shape_probs(logits[s : s + ell + 1], _rows(sampling, i, ell + 1))
+                for i, (s, ell) in enumerate(zip(starts, lens, strict=False))
+            ]
+            outcome = verify(
+                drafts.tokens,
+                drafts.probs,
+                target_probs,
+                lens,
+                [r.generator for r in decodes],
+                [r.noise_key for r in decodes],
+            )
+        completing = [s for s, c in zip(starts[len(decodes) :], prefills, strict=True) if c.completes]
+        return forward, outcome, completing
+
+    def _keep_accepted(
+        self,
+        alloc: PageAllocator,
+        decodes: list[Request],
+        anchor_pos: list[int],
+        prefills: list[ScheduledChunk],
+        forward: ForwardResult,
+        outcome: VerifyOutcome,
+    ) -> None:
+        """Keep x0..x_acc in both caches; one drafter-context write for the whole step, prefill
+        chunks included."""
+        hidden = forward.output.hidden
+        assert hidden is not None
+        offsets = forward.batch.offsets
+        rows: list[tuple[int, int, int]] = []  # (packed row of the first token, its position, count)
+        tables = []
+        for i, (req, start) in enumerate(zip(decodes, anchor_pos, strict=True)):
+            alloc.truncate(req.table, start + outcome.accepted[i] + 1)
+            tables.append(req.table)
+            rows.append((offsets[i], start, outcome.accepted[i] + 1))
+        for j, c in enumerate(prefills):
+            tables.append(c.request.table)
+            rows.append((offsets[len(decodes) + j], c.start, c.num_tokens))
+        if not rows:
+            return
+        packed = torch.cat([torch.arange(off, off + n) for off, _, n in rows])
+        positions = torch.cat([torch.arange(pos, pos + n) for _, pos, n in rows])
+        slots = torch.cat(
+            [alloc.slots(table, pos, pos + n) for table, (_, pos, n) in zip(tables, rows, strict=True)]
+        )
+        self.drafter.write_context(hidden[packed], positions, slots, self.pool)
+
+    def _observe(self, decodes: list[Request], drafts: Drafts, plan: _Plan, outcome: VerifyOutcome) -> None:
+        if plan.survival is not None:
+            self.drift.record(plan.survival, torch.tensor(outcome.accepted), torch.tensor(plan.lens))
+        if self.round_observers and decodes:
+            record = RoundRecord(
+                list(decodes), drafts.confidence_logits, plan.confidences, plan.lens, outcome.accepted
+            )
+            for observe in self.round_observers:
+                observe(record)
+
+    # ---- calibration and cost table ----------------------------------------------------------
+
+    def calibrate(self, confidence_logits: torch.Tensor, greedy_rows: torch.Tensor) -> torch.Tensor:
+        """Raw confidence logits [R, γ] -> calibrated confidences, greedy rows by their own STS."""
+        sampled = self.calibration.apply(confidence_logits)
+        if not bool(greedy_rows.any()) or self.greedy_calibration is self.calibration:
+            return sampled
+        greedy = self.greedy_calibration.apply(confidence_logits)
+        return torch.where(greedy_rows[:, None], greedy, sampled)
+
+    def _planning_table(self, table: SpsCostTable) -> SpsCostTable:
+        """Measured-cost planning (overhead priced) also plans on the roofline fitted to the probes
+        (``fit_roofline``); the method doc's cost model uses the measured probes as they are."""
+        return fit_roofline(table) if self.overhead is not None else monotone_envelope(table)
+
+    def _refresh_sps_table(self, every: int = 16) -> None:
+        """Hand the planner the live-refreshed curve; it moves slowly, so every few steps."""
+        self._steps_since_refresh += 1
+        if self.live_sps is None or self._steps_since_refresh < every:
+            return
+        self._steps_since_refresh = 0
+        current = self.live_sps.current_table()
+        if current is not self._planned_from:  # unchanged (e.g. refresh off): nothing to refit
+            self._planned_from = current
+            self.planner.set_sps_table(self._planning_table(current))
+
+
+def _rows(s: SamplingTensors, i: int, n: int) -> SamplingTensors:
+    return SamplingTensors(
+        s.temperature[i : i + 1].expand(n), s.top_p[i : i + 1].expand(n), s.top_k[i : i + 1].expand(n)
+    )

@@ -1,0 +1,58 @@
+"""Drafting: one backbone pass, then the sequential head sampled left to right.
+
+x_k ~ q_k = shape(U_k + B_k(x_{k-1}, state)) with each request's own sampling settings
+(``sampling.shape_probs``, the function that shapes the target's p too). The confidence for
+position k is computed from the backbone state at k and x_{k-1} only — never from x_k — which
+is what lets the planner admit positions without looking at the tokens it admits.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from dspark_server.engine.noise import NoiseKey
+from dspark_server.engine.sampling import SamplingTensors, sample, shape_probs
+from dspark_server.models.drafter import DraftBlock, DSparkDrafter
+
+
+@dataclass(frozen=True)
+class Drafts:
+    tokens: torch.Tensor  # [R, γ]
+    probs: torch.Tensor | None  # [R, γ, V] q each draft was sampled from (None: all greedy)
+    confidence_logits: torch.Tensor | None  # [R, γ] raw, before STS
+
+    @classmethod
+    def empty(cls, num_requests: int, gamma: int) -> Drafts:
+        return cls(torch.zeros(num_requests, gamma, dtype=torch.long), None, None)
+
+
+def sample_drafts(
+    drafter: DSparkDrafter,
+    gamma: int,
+    block: DraftBlock,
+    anchors: torch.Tensor,
+    sampling: SamplingTensors,
+    generators: Sequence[torch.Generator],
+    keys: Sequence[NoiseKey | None],
+) -> Drafts:
+    """Left to right over the γ positions of every request's block; seeded rows (a key) draw
+    x_k by keyed Gumbel-max at output position key + k, the noise their target draw will use."""
+    greedy = sampling.all_greedy
+    state = drafter.init_head_state(block.hidden[:, 0])
+    prev = anchors
+    tokens, probs, prevs = [], [], []
+    for k in range(gamma):
+        step_logits, state = drafter.step_logits(block.logits[:, k], prev, block.hidden[:, k], state)
+        prevs.append(prev)
+        if greedy:
+            prev = step_logits.argmax(dim=-1)
+        else:
+            qk = shape_probs(step_logits, sampling)
+            prev = sample(qk, generators, [key.shifted(k) if key is not None else None for key in keys])
+            probs.append(qk)
+        tokens.append(prev)
+    conf = drafter.confidence_logits(block.hidden[:, :gamma], torch.stack(prevs, dim=1))
+    return Drafts(torch.stack(tokens, dim=1), torch.stack(probs, dim=1) if probs else None, conf)
