@@ -214,6 +214,30 @@ def test_transformers_runs_the_twin_like_the_source(pairs: Pairs) -> None:
     torch.testing.assert_close(got, ref, atol=TOL, rtol=TOL)
 
 
+def test_llama_with_attention_biases_widens_too(tmp_path: Path) -> None:
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    cfg = transformers.LlamaConfig(
+        vocab_size=97,
+        hidden_size=48,
+        intermediate_size=80,
+        num_hidden_layers=2,
+        num_attention_heads=6,
+        num_key_value_heads=2,
+        attention_bias=True,
+        max_position_embeddings=128,
+    )
+    model = transformers.LlamaForCausalLM(cfg).float().eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("bias"):
+                p.normal_(0.0, 0.5)  # transformers initialises biases to zero
+    model.save_pretrained(tmp_path / "src", safe_serialization=True)
+    twin = widen_pair(WidenConfig(str(tmp_path / "src"), str(tmp_path / "twin"), None, 3))
+    assert twin.draft_dir is None and ModelConfig.from_dir(twin.target_dir).architecture == "llama"
+    assert compare_pairs(tmp_path / "src", None, twin.target_dir, None).target_logits < TOL
+
+
 def test_gqa_order_matters(pairs: Pairs, tmp_path: Path) -> None:
     """The check is sensitive: kv heads repeated interleaved while query heads are repeated
     blockwise pair query copies with the wrong kv heads, and the logits change."""

@@ -91,8 +91,9 @@ def read_tiled(w: torch.Tensor, k: int, parts: Sequence[tuple[int, bool]] | None
     if sum(widths) != w.shape[1]:
         raise ValueError(f"column parts {widths} do not add up to {w.shape[1]} columns")
     pieces = w.split(widths, dim=1)
+    exact = torch.promote_types(w.dtype, torch.float32)  # bf16 / fp16 divided in fp32
     out = [
-        p.float().repeat(1, k).div(k).to(w.dtype) if rep else p
+        p.to(exact).repeat(1, k).div(k).to(w.dtype) if rep else p
         for p, (_, rep) in zip(pieces, parts, strict=True)
     ]
     return torch.cat(out, dim=1)
