@@ -6,8 +6,8 @@ source "$(dirname "$0")/common.sh"
 PARALLEL="${PARALLEL_DRAFT:-$ROOT/work_data/drafters/none}"
 RNN="${RNN_DRAFT:-$ROOT/work_data/drafters/rnn}"
 for t in 0 1; do
-  "$DSPARK" bench --suite acceptance --drafts "$DEMO/draft,$PARALLEL,$RNN" --labels "markov,parallel-only,rnn" \
-    --prompts "$PROMPTS/humaneval.jsonl,$PROMPTS/mbpp.jsonl,$PROMPTS/gsm8k.jsonl,$PROMPTS/mt-bench.jsonl" \
+  "$PY" -m tools.paper --suite acceptance --drafts "$DEMO/draft,$PARALLEL,$RNN" --labels "markov,parallel-only,rnn" \
+    --prompts "$(prompts humaneval mbpp gsm8k mt-bench)" \
     --limit "${LIMIT:-50}" --max-tokens "${MAX_TOKENS:-128}" --temperature "$t" --seed 0 \
     --record-concurrency 16 --out "$OUT/paper/acceptance_t$t" "$@"
 done

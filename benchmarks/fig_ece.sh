@@ -2,4 +2,4 @@
 # ECE per position before / after STS, from the calibration JSON `dspark calibrate` wrote
 # (default: the demo drafter's shipped calibration).
 source "$(dirname "$0")/common.sh"
-exec "$DSPARK" bench --suite ece --out "$OUT/paper/ece" "$@"
+exec "$PY" -m tools.paper --suite ece --out "$OUT/paper/ece" "$@"

@@ -6,6 +6,6 @@
 # (Serving it at concurrency C needs --max-batch-tokens >= 16 C.)
 source "$(dirname "$0")/common.sh"
 G15="${G15_DRAFT:-$DEMO/draft_g15}"
-exec "$DSPARK" bench --suite acceptance --drafts "$DEMO/draft,$G15" --labels "γ=7,γ=15" \
-  --prompts "$PROMPTS/humaneval.jsonl,$PROMPTS/mt-bench.jsonl" --limit "${LIMIT:-40}" \
+exec "$PY" -m tools.paper --suite acceptance --drafts "$DEMO/draft,$G15" --labels "γ=7,γ=15" \
+  --prompts "$(prompts humaneval mt-bench)" --limit "${LIMIT:-40}" \
   --max-tokens "${MAX_TOKENS:-128}" --out "$OUT/paper/gamma" "$@"

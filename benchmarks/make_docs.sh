@@ -11,5 +11,5 @@ for f in decode/results.json generate_modes/results.json generate_modes_c64/resu
   [[ "$f" = /* ]] || f="$OUT/$f"
   if [[ -f "$f" ]]; then files+=(--results "$f"); fi
 done
-exec "$DSPARK" bench --suite report "${files[@]}" --title "Benchmarks" \
+exec "$PY" -m tools.report "${files[@]}" --title "Benchmarks" \
   --preface "$ROOT/benchmarks/preface.md" --out "${DOC:-$ROOT/docs/benchmarks.md}"

@@ -7,6 +7,6 @@ extra=()
 if [[ -f "$DEMO/draft_none/config.json" ]]; then extra+=(--parallel-draft "$DEMO/draft_none"); fi
 if [[ -f "$DEMO/draft_g15/config.json" ]]; then extra+=(--gamma-drafts "$DEMO/draft,$DEMO/draft_g15"); fi
 if [[ -f "$OUT/serving/results.json" ]]; then extra+=(--results "$OUT/serving/results.json"); fi
-exec "$DSPARK" bench --suite paper "${extra[@]}" \
-  --prompts "$PROMPTS/humaneval.jsonl,$PROMPTS/mt-bench.jsonl" --limit "${LIMIT:-40}" \
+exec "$PY" -m tools.paper --suite paper "${extra[@]}" \
+  --prompts "$(prompts humaneval mt-bench)" --limit "${LIMIT:-40}" \
   --max-tokens "${MAX_TOKENS:-128}" --concurrency 1,16,64 --out "$OUT/paper" "$@"

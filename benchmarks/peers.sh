@@ -3,5 +3,5 @@
 # assistant, prompt lookup) on the demo target, concurrency 1.
 source "$(dirname "$0")/common.sh"
 exec "$DSPARK" bench --suite peers --modes off,dspark \
-  --prompts "$PROMPTS/humaneval.jsonl,$PROMPTS/mt-bench.jsonl" --limit "${LIMIT:-10}" \
+  --prompts "$(prompts humaneval mt-bench)" --limit "${LIMIT:-10}" \
   --max-tokens "${MAX_TOKENS:-128}" --out "$OUT/peers" "$@"

@@ -6,5 +6,5 @@ source "$(dirname "$0")/common.sh"
 limit=()
 if [[ -n "${LIMIT:-}" ]]; then limit=(--limit "$LIMIT"); fi
 exec "$DSPARK" bench --self-host --modes off,fixed,threshold,dspark --concurrency 1,16,64 \
-  --prompts "$PROMPTS/humaneval.jsonl,$PROMPTS/mt-bench.jsonl" "${limit[@]}" \
+  --prompts "$(prompts humaneval mt-bench)" "${limit[@]}" \
   --max-tokens "${MAX_TOKENS:-128}" --rounds "${ROUNDS:-2}" --out "$OUT/serving" "$@"

@@ -7,54 +7,25 @@ import logging
 import os
 import sys
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
-from dspark_server.config import SPEC_MODES, EngineConfig, ServerConfig, SpeculativeConfig
+from dspark_server.config import EngineConfig, ServerConfig
+from dspark_server.config_args import HelpFormatter, add_engine_args, engine_config_from_args, field_default
 
 if TYPE_CHECKING:
     from dspark_server.backends.sglang_args import SGLangConfig
     from dspark_server.offline import GenerateConfig
 
 
-def _engine_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", default=None, help="target model directory (default: bundled demo)")
-    p.add_argument("--draft", default=None, help="DSpark drafter directory (default: bundled demo)")
-    p.add_argument(
-        "--spec-mode",
-        choices=SPEC_MODES,
-        default=None,
-        help="speculation: off | fixed | threshold | dspark (default: dspark with a drafter, off without)",
-    )
-    p.add_argument("--gamma", type=int, default=None, help="draft block size (default: drafter's)")
-    p.add_argument("--threshold", type=float, default=0.5, help="threshold mode's survival cut-off")
-    p.add_argument("--profile", default=None, help="SPS cost table JSON")
-    p.add_argument("--calibration", default=None, help="STS calibration JSON (sampled requests)")
-    p.add_argument(
-        "--greedy-calibration",
-        default=None,
-        help="STS calibration JSON for temperature-0 requests (default: the drafter's "
-        "sts_calibration_greedy.json, else --calibration)",
-    )
-    p.add_argument(
-        "--no-draft-gate",
-        action="store_true",
-        help="dspark mode: always draft, even at loads where plain steps measure faster",
-    )
-    p.add_argument(
-        "--sps-only-cost",
-        action="store_true",
-        help="dspark mode: price a step by SPS(B) alone (the paper's cost model), leaving out "
-        "the measured draft and bookkeeping time",
-    )
-    p.add_argument("--dtype", default=None, help="default: float32 (native), auto (sglang)")
-    p.add_argument("--max-model-len", type=int, default=2048)
-    p.add_argument("--max-running", type=int, default=64)
-    p.add_argument("--max-queued", type=int, default=256)
-    p.add_argument("--max-batch-tokens", type=int, default=512)
-    p.add_argument("--prefill-chunk", type=int, default=256)
-    p.add_argument("--page-size", type=int, default=16)
-    p.add_argument("--num-pages", type=int, default=None)
-    p.add_argument("--threads", type=int, default=None, help="torch CPU threads")
+DESCRIPTION = """\
+An OpenAI-compatible LLM server with DSpark speculative decoding: a drafter proposes blocks of
+tokens with confidences and a load-aware planner decides how many each request verifies.
+Without --model, the bundled demo model pair is used (runs on a CPU, no download).
+
+  dspark serve                      serve http://127.0.0.1:8000/v1 (chat and completions)
+  dspark generate --prompts F       complete a JSONL file of prompts offline
+  dspark COMMAND --help             the flags of one command
+"""
 
 
 def _backend_args(p: argparse.ArgumentParser) -> None:
@@ -109,20 +80,20 @@ def _sglang_config(a: argparse.Namespace, spec_mode: str | None = None) -> SGLan
         )
     model = a.model or default_target()
     draft = a.draft if a.draft else (default_draft() if a.model is None else None)
-    mode = spec_mode or a.spec_mode or ("dspark" if draft else "off")
+    mode = spec_mode or getattr(a, "spec_mode", None) or ("dspark" if draft else "off")
     try:
         return SGLangConfig(
             model_path=model,
             draft_path=draft if mode != "off" else None,
             spec_mode=mode,
             gamma=a.gamma,
-            sps_table_path=a.profile,
-            sts_path=a.calibration,
+            sps_table_path=getattr(a, "profile", None),
+            sts_path=getattr(a, "calibration", None),
             tp_size=a.tp,
             dtype=a.dtype or "auto",
             max_model_len=a.max_model_len,
             max_running=a.max_running,
-            max_queued=a.max_queued,
+            max_queued=getattr(a, "max_queued", field_default(EngineConfig, "max_queued")),
             mem_fraction_static=a.mem_fraction,
             attention_backend=a.attention_backend,
             random_seed=a.random_seed,
@@ -145,37 +116,10 @@ def _require_sglang() -> None:
 
 
 def _engine_config(a: argparse.Namespace) -> EngineConfig:
-    from dspark_server.assets import default_draft, default_target
-
-    model = a.model or default_target()
-    draft = a.draft if a.draft else (default_draft(getattr(a, "variant", None)) if a.model is None else None)
-    mode = a.spec_mode or ("dspark" if draft else "off")
-    if mode != "off" and not draft:
-        raise SystemExit(f"error: --spec-mode {mode} needs a drafter (--draft DIR)")
-    spec = SpeculativeConfig(
-        mode=mode,
-        gamma=a.gamma,
-        draft_gate=not a.no_draft_gate,
-        price_step_overhead=not a.sps_only_cost,
-        threshold=a.threshold,
-        profile_path=a.profile,
-        calibration_path=a.calibration,
-        greedy_calibration_path=a.greedy_calibration,
-    )
-    return EngineConfig(
-        model_dir=model,
-        draft_dir=draft if mode != "off" else None,
-        dtype=a.dtype or "float32",
-        page_size=a.page_size,
-        num_pages=a.num_pages,
-        max_model_len=a.max_model_len,
-        max_running=a.max_running,
-        max_queued=a.max_queued,
-        max_batch_tokens=a.max_batch_tokens,
-        prefill_chunk=a.prefill_chunk,
-        num_threads=a.threads,
-        spec=spec,
-    )
+    try:
+        return engine_config_from_args(a, variant=getattr(a, "variant", None))
+    except ValueError as exc:
+        raise SystemExit(f"error: {exc}") from None
 
 
 def cmd_serve(a: argparse.Namespace) -> None:
@@ -311,51 +255,64 @@ def cmd_train(a: argparse.Namespace) -> None:
 
 
 def _generation_args(p: argparse.ArgumentParser, max_tokens: int = 128, concurrency: int = 1) -> None:
-    p.add_argument("--prompts", required=True, help='JSONL with {"turns": [...]} per line')
-    p.add_argument("--limit", type=int, default=None)
-    p.add_argument("--max-tokens", type=int, default=max_tokens)
-    p.add_argument("--temperature", type=float, default=0.0)
-    p.add_argument("--top-p", type=float, default=1.0)
-    p.add_argument("--top-k", type=int, default=0)
-    p.add_argument("--seed", type=int, default=None)
-    p.add_argument("--concurrency", type=int, default=concurrency)
-    p.add_argument("--quiet", action="store_true", help="no progress bar")
+    g = p.add_argument_group("generation")
+    g.add_argument("--prompts", required=True, help='JSONL file with {"turns": [...]} per line')
+    g.add_argument("--limit", type=int, default=None, help="first N prompts only (default: all)")
+    g.add_argument("--max-tokens", type=int, default=max_tokens, help="tokens generated per prompt at most")
+    g.add_argument(
+        "--temperature",
+        type=float,
+        default=0.0,
+        help="sampling temperature; 0 is greedy. Note: the server's default, like OpenAI's, is 1",
+    )
+    g.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass (1: off)")
+    g.add_argument("--top-k", type=int, default=0, help="sample from the K likeliest tokens (0: off)")
+    g.add_argument("--seed", type=int, default=None, help="seed of request i is SEED + i (default: random)")
+    g.add_argument("--concurrency", type=int, default=concurrency, help="prompts in flight together")
+    g.add_argument("--quiet", action="store_true", help="no progress bar")
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="dspark", description=__doc__)
-    sub = parser.add_subparsers(dest="command", required=True)
+    parser = argparse.ArgumentParser(prog="dspark", description=DESCRIPTION, formatter_class=HelpFormatter)
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
-    serve = sub.add_parser("serve", help="OpenAI-compatible HTTP server")
-    _engine_args(serve)
-    serve.add_argument("--host", default="127.0.0.1")
-    serve.add_argument("--port", type=int, default=8000)
+    def command(parent: Any, name: str, doc: str, **kw: Any) -> argparse.ArgumentParser:
+        return parent.add_parser(name, help=doc, description=doc, formatter_class=HelpFormatter, **kw)
+
+    serve = command(sub, "serve", "OpenAI-compatible HTTP server (/v1/chat/completions, /v1/completions)")
+    add_engine_args(serve)
+    serve.add_argument("--host", default=field_default(ServerConfig, "host"), help="address to listen on")
+    serve.add_argument(
+        "--port", type=int, default=field_default(ServerConfig, "port"), help="port to listen on"
+    )
     serve.add_argument(
         "--api-key", default=None, help="require 'Authorization: Bearer KEY' (or set DSPARK_API_KEY)"
     )
-    serve.add_argument("--served-model-name", default=None)
+    serve.add_argument(
+        "--served-model-name", default=None, help="model name clients send (default: the model directory's)"
+    )
     serve.add_argument(
         "--drain-timeout",
         type=float,
-        default=30.0,
+        default=field_default(ServerConfig, "drain_timeout_s"),
         help="seconds in-flight requests get to finish after SIGTERM",
     )
     serve.add_argument(
         "--max-body-bytes",
         type=int,
-        default=ServerConfig.max_body_bytes,
+        default=field_default(ServerConfig, "max_body_bytes"),
         help="larger request bodies get 413",
     )
     _backend_args(serve)
     serve.set_defaults(func=cmd_serve)
 
-    gen = sub.add_parser("generate", help="offline batch generation from a prompts JSONL file")
-    _engine_args(gen)
+    gen = command(sub, "generate", "offline batch generation: one JSON line per prompt on stdout")
+    add_engine_args(gen)
     _generation_args(gen)
     gen.set_defaults(func=cmd_generate)
 
-    prof = sub.add_parser("profile", help="measure the SPS cost table of the target on this machine")
-    _engine_args(prof)
+    prof = command(sub, "profile", "measure the SPS cost table of the target on this machine")
+    add_engine_args(prof, speculation="gamma", serving=False)
     prof.add_argument("--out", default=None, help="table JSON (default: profiles/MODEL__CPU__Nt.json)")
     prof.add_argument("--repeats", type=int, default=None, help="default: 7 (native), 1 (sglang)")
     _backend_args(prof)
@@ -373,16 +330,16 @@ def build_parser() -> argparse.ArgumentParser:
     )
     prof.set_defaults(func=cmd_profile, spec_mode="off")
 
-    cal = sub.add_parser("calibrate", help="fit STS confidence temperatures from full-γ rounds")
-    _engine_args(cal)
+    cal = command(sub, "calibrate", "fit STS confidence temperatures from full-γ rounds")
+    add_engine_args(cal, speculation="gamma", serving=False)
     _generation_args(cal, max_tokens=96, concurrency=8)
     cal.add_argument("--out", required=True, help="calibration JSON (a reliability PNG goes beside it)")
     cal.set_defaults(func=cmd_calibrate)
 
-    ev = sub.add_parser("eval", help="offline evaluations")
+    ev = command(sub, "eval", "offline evaluations")
     ev_sub = ev.add_subparsers(dest="evaluation", required=True)
-    acc = ev_sub.add_parser("acceptance", help="τ and per-position acceptance, one request at a time")
-    _engine_args(acc)
+    acc = command(ev_sub, "acceptance", "τ and per-position acceptance, one request at a time")
+    add_engine_args(acc, speculation="gamma", serving=False)
     _generation_args(acc)
     acc.add_argument(
         "--variant",
@@ -393,18 +350,16 @@ def build_parser() -> argparse.ArgumentParser:
     acc.add_argument("--out", default=None, help="directory for acceptance.json and acceptance.png")
     acc.set_defaults(func=cmd_eval_acceptance)
 
-    bench = sub.add_parser(
-        "bench",
-        help="benchmarks: TPS vs concurrency by mode, peers, oracle replay, "
-        "paper figures (docs/benchmarks.md)",
+    bench = command(
+        sub, "bench", "benchmarks: TPS vs concurrency by mode, peers, oracle replay (docs/benchmarks.md)"
     )
-    _engine_args(bench)  # for --self-host servers and the in-process suites
+    add_engine_args(bench)  # for --self-host servers and the in-process suites
     from dspark_server.bench.main import add_bench_args
 
     add_bench_args(bench)
     bench.set_defaults(func=cmd_bench)
 
-    train = sub.add_parser("train", help="train the demo models (see docs/models.md)")
+    train = command(sub, "train", "train the demo models (see docs/models.md)")
     train_sub = train.add_subparsers(dest="what", required=True)
     for what, doc in (
         ("target", "the demo target (corpus, tokenizer and Qwen3 model)"),

@@ -12,9 +12,9 @@ import pytest
 
 from dspark_server.bench.main import main as bench_main
 from dspark_server.bench.oracle import oracle_budget, replay
-from dspark_server.bench.paper import threshold_rows
 from dspark_server.planner import SpsCostTable, save_sps_table
 from dspark_server.testing.tiny import build_tiny_drafter
+from tools.paper import threshold_rows
 
 MAX_TOKENS = 8
 
@@ -173,7 +173,7 @@ def test_threshold_rows() -> None:
 
 
 def test_report_renders_engine_level_results_and_an_sps_profile() -> None:
-    from dspark_server.bench.report import kind_of, render
+    from tools.report import kind_of, render
 
     machine = {"cpu": "CPU X", "cores": 2, "torch_threads": 1}
     decode = {

@@ -15,9 +15,30 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from dspark_server.config import EngineConfig
+
 
 class BenchError(RuntimeError):
     """A benchmark could not produce trustworthy numbers (a request failed, counts disagree)."""
+
+
+@dataclass(frozen=True)
+class SuiteConfig:
+    """What every in-process suite (peers, oracle, the paper figures) is given."""
+
+    engine: EngineConfig
+    prompt_files: tuple[str, ...] = ()
+    out: str = "runs/bench"
+    limit: int | None = None  # prompts per file
+    max_tokens: int = 128
+    temperature: float = 0.0
+    seed: int = 0
+    rounds: int = 1
+    ignore_eos: bool = False
+    record_concurrency: int = 8  # requests in flight while recording full-γ rounds
+    progress: bool = True
+    plots: bool = True
+    command: str = ""
 
 
 @dataclass(frozen=True)
@@ -184,15 +205,14 @@ def write_result(
     result: dict[str, Any],
     out_dir: Path,
     name: str,
+    render: Callable[[dict[str, Any]], str],
     plot: Callable[[dict[str, Any], Path], None] | None,
-    no_plots: bool,
+    plots: bool = True,
 ) -> None:
-    """A suite's outputs: NAME.json, NAME.md (the report's rendering, also printed), NAME.png."""
-    from dspark_server.bench.report import render
-
+    """A suite's outputs: NAME.json, NAME.md (``render``'s markdown, also printed), NAME.png."""
     write_json(out_dir / f"{name}.json", result)
     md = render(result)
     (out_dir / f"{name}.md").write_text(md)
-    if plot is not None and not no_plots:
+    if plot is not None and plots:
         plot(result, out_dir / f"{name}.png")
     print(md)

@@ -5,12 +5,8 @@ Suites (``--suite``):
   serving          TPS / latency / acceptance vs concurrency, modes side by side (default)
   peers            transformers generate() (plain, assisted, prompt lookup) vs our engine, concurrency 1
   oracle           record full-γ rounds, replay them through the planners and an oracle
-  acceptance       per-position acceptance of several drafters (DSpark vs parallel-only, γ 7 vs 15)
-  threshold-sweep  acceptance rate and tokens per step vs a static threshold, per domain
-  ece              ECE per position before / after STS from a calibration JSON
-  concurrency      TPS and verification budget vs concurrency (from --results, or runs a sweep)
-  paper            every paper figure the given inputs allow, each in its own folder
-  report           markdown page from result JSON files (for docs/benchmarks.md)
+
+The paper's figures and the docs page are repository tools (python -m tools.paper / tools.report).
 """
 
 from __future__ import annotations
@@ -18,31 +14,23 @@ from __future__ import annotations
 import argparse
 import logging
 import sys
-from typing import Any
+from typing import Any, cast
+
+from dspark_server.bench.common import BenchError, SuiteConfig, command_line, split_ints, split_list
+from dspark_server.config import SPEC_MODES, SpecMode
 
 DEFAULT_MODES = ("off", "fixed", "threshold", "dspark")
-SUITES = (
-    "serving",
-    "peers",
-    "oracle",
-    "acceptance",
-    "threshold-sweep",
-    "ece",
-    "concurrency",
-    "paper",
-    "report",
-)
+SUITES = ("serving", "peers", "oracle")
 
 log = logging.getLogger(__name__)
 
 
-def add_bench_args(p: argparse.ArgumentParser) -> None:
-    """Flags of `dspark bench` beyond the engine flags the CLI adds (--model, --draft, ...)."""
+def add_bench_args(p: argparse.ArgumentParser, suites: tuple[str, ...] = SUITES) -> None:
+    """Flags of `dspark bench` beyond the engine flags (``config_args.add_engine_args``)."""
     p.description = "Benchmarks. " + __doc__.split("\n\n", 1)[1]
-    p.formatter_class = argparse.RawDescriptionHelpFormatter
     p.epilog = "Commands for every figure: benchmarks/README.md"
     g = p.add_argument_group("bench")
-    g.add_argument("--suite", choices=SUITES, default="serving", help="what to measure (default: serving)")
+    g.add_argument("--suite", choices=suites, default=suites[0], help="what to measure")
     where = g.add_mutually_exclusive_group()
     where.add_argument(
         "--url",
@@ -75,8 +63,8 @@ def add_bench_args(p: argparse.ArgumentParser) -> None:
         default=None,
         help="requests per run (default: max(prompts, 2 x concurrency); prompts are cycled)",
     )
-    g.add_argument("--max-tokens", type=int, default=128)
-    g.add_argument("--temperature", type=float, default=0.0)
+    g.add_argument("--max-tokens", type=int, default=128, help="tokens generated per request at most")
+    g.add_argument("--temperature", type=float, default=0.0, help="sampling temperature of every request")
     g.add_argument("--ignore-eos", action="store_true", help="every request generates --max-tokens")
     g.add_argument(
         "--request-rate",
@@ -85,7 +73,7 @@ def add_bench_args(p: argparse.ArgumentParser) -> None:
         help="open loop: Poisson arrivals per second (--concurrency caps requests in flight)",
     )
     g.add_argument("--rounds", type=int, default=1, help="interleaved repetitions of the whole sweep")
-    g.add_argument("--seed", type=int, default=0)
+    g.add_argument("--seed", type=int, default=0, help="seed of the request schedule and sampling")
     g.add_argument("--warmup", type=int, default=2, help="warm-up requests per server (not measured)")
     g.add_argument("--out", default=None, help="output directory (default: runs/bench/SUITE)")
     g.add_argument(
@@ -101,8 +89,8 @@ def add_bench_args(p: argparse.ArgumentParser) -> None:
         help="extra flag for the self-hosted `dspark serve` (repeat; e.g. --server-arg=--x)",
     )
     g.add_argument("--api-key", default=None, help="Bearer key for --url servers")
-    g.add_argument("--request-timeout", type=float, default=900.0)
-    g.add_argument("--no-plots", action="store_true")
+    g.add_argument("--request-timeout", type=float, default=900.0, help="seconds one request may take")
+    g.add_argument("--no-plots", action="store_true", help="write no PNG figures")
     g.add_argument("--quiet", action="store_true", help="no progress bar")
     g.add_argument("--no-assisted", action="store_true", help="peers: skip assisted generation")
     g.add_argument(
@@ -118,32 +106,9 @@ def add_bench_args(p: argparse.ArgumentParser) -> None:
         help="oracle / threshold-sweep: requests in flight while recording full-γ rounds",
     )
     g.add_argument("--rounds-file", default=None, help="oracle: replay a recorded rounds.json")
-    g.add_argument("--drafts", default=None, help="acceptance: comma-separated drafter directories")
-    g.add_argument("--labels", default=None, help="acceptance: comma-separated labels for --drafts")
-    g.add_argument(
-        "--parallel-draft",
-        default=None,
-        help="paper: parallel-only drafter (`dspark train draft --head none`) to compare with",
-    )
-    g.add_argument(
-        "--gamma-drafts",
-        default=None,
-        help="paper: two drafters 'G7_DIR,G15_DIR' (the second trained with `dspark train draft --gamma 15`)",
-    )
-    g.add_argument("--thresholds", default=None, help="threshold-sweep: comma-separated cut-offs")
-    g.add_argument(
-        "--results",
-        action="append",
-        default=None,
-        help="concurrency / report: result JSON file(s) of earlier runs",
-    )
-    g.add_argument("--title", default="Benchmarks", help="report: page title")
-    g.add_argument("--preface", default=None, help="report: markdown prose placed under the title")
 
 
 def _prompt_files(a: argparse.Namespace) -> list[str]:
-    from dspark_server.bench.common import BenchError, split_list
-
     files = [f for item in (a.prompts or []) for f in split_list(item)]
     if not files:
         raise BenchError(f"--suite {a.suite} needs --prompts FILE.jsonl")
@@ -155,15 +120,12 @@ def _out(a: argparse.Namespace, name: str) -> str:
 
 
 def serving_config(a: argparse.Namespace, out: str | None = None) -> Any:
-    from dspark_server.bench.common import BenchError, command_line, split_ints, split_list
     from dspark_server.bench.serving import ServingConfig, server_args_from_namespace
 
     concurrency = split_ints(a.concurrency)
     urls = [u for item in (a.url or []) for u in split_list(item)]
     modes = split_list(a.modes) if a.modes else ([] if urls else list(DEFAULT_MODES))
     if not urls:
-        from dspark_server.config import SPEC_MODES
-
         bad = [m for m in modes if m not in SPEC_MODES]
         if bad or not modes:
             raise BenchError(f"--modes must be a comma-separated subset of {SPEC_MODES}, got {a.modes!r}")
@@ -194,8 +156,6 @@ def serving_config(a: argparse.Namespace, out: str | None = None) -> Any:
 
 def run_bench_command(a: argparse.Namespace) -> int:
     """Entry point of `dspark bench`; returns the exit code (1 with a message on BenchError)."""
-    from dspark_server.bench.common import BenchError
-
     try:
         _dispatch(a)
     except BenchError as exc:
@@ -207,7 +167,7 @@ def run_bench_command(a: argparse.Namespace) -> int:
 def _dispatch(a: argparse.Namespace) -> None:
     suite = a.suite
     if suite == "serving":
-        from dspark_server.bench.report import serving_markdown
+        from dspark_server.bench.render import serving_markdown
         from dspark_server.bench.serving import run_serving
 
         cfg = serving_config(a)
@@ -215,48 +175,70 @@ def _dispatch(a: argparse.Namespace) -> None:
         print(serving_markdown(result))
         print(f"wrote {cfg.out}/results.json", file=sys.stderr)
     elif suite == "peers":
-        from dspark_server.bench.peers import run_peers_command
+        from dspark_server.bench.peers import PeersConfig, run_peers
 
-        run_peers_command(a, _prompt_files(a), _out(a, "peers"))
+        run_peers(
+            PeersConfig(
+                suite=suite_config(a, "peers"),
+                modes=_spec_modes(a.modes, ("off", "dspark")),
+                assisted=not a.no_assisted,
+                assistant_layers=a.assistant_layers,
+            )
+        )
     elif suite == "oracle":
-        from dspark_server.bench.oracle import run_oracle_command
+        from dspark_server.bench.oracle import OracleConfig, run_oracle
 
-        run_oracle_command(a, _prompt_files(a) if not a.rounds_file else [], _out(a, "oracle"))
-    elif suite == "acceptance":
-        from dspark_server.bench.paper import run_acceptance_command
+        cfg = suite_config(a, "oracle", prompts=not a.rounds_file)
+        run_oracle(
+            OracleConfig(suite=cfg, concurrency=tuple(split_ints(a.concurrency)), rounds_file=a.rounds_file)
+        )
 
-        run_acceptance_command(a, _prompt_files(a), _out(a, "acceptance"))
-    elif suite == "threshold-sweep":
-        from dspark_server.bench.paper import run_threshold_command
 
-        run_threshold_command(a, _prompt_files(a), _out(a, "threshold_sweep"))
-    elif suite == "ece":
-        from dspark_server.bench.paper import run_ece_command
+def _spec_modes(text: str | None, default: tuple[SpecMode, ...]) -> tuple[SpecMode, ...]:
+    modes = split_list(text)
+    bad = [m for m in modes if m not in SPEC_MODES]
+    if bad:
+        raise BenchError(f"--modes must be a comma-separated subset of {SPEC_MODES}, got {text!r}")
+    return tuple(cast(SpecMode, m) for m in modes) or default
 
-        run_ece_command(a, _out(a, "ece"))
-    elif suite == "concurrency":
-        from dspark_server.bench.paper import run_concurrency_command
 
-        run_concurrency_command(a, _out(a, "concurrency"))
-    elif suite == "paper":
-        from dspark_server.bench.paper import run_paper_suite
+def suite_config(a: argparse.Namespace, name: str, prompts: bool = True, **engine: Any) -> SuiteConfig:
+    """The typed settings of an in-process suite from `dspark bench` flags (``engine``: overrides
+    passed to ``engine_config_from_args``, e.g. ``spec_mode``)."""
+    from dspark_server.config_args import engine_config_from_args
 
-        run_paper_suite(a, _out(a, "paper"))
-    elif suite == "report":
-        from dspark_server.bench.common import BenchError, split_list
-        from dspark_server.bench.report import write_report
+    try:
+        engine_cfg = engine_config_from_args(a, **engine)
+    except ValueError as exc:
+        raise BenchError(str(exc)) from None
+    return SuiteConfig(
+        engine=engine_cfg,
+        prompt_files=tuple(_prompt_files(a)) if prompts else (),
+        out=_out(a, name),
+        limit=a.limit,
+        max_tokens=a.max_tokens,
+        temperature=a.temperature,
+        seed=a.seed,
+        rounds=a.rounds,
+        ignore_eos=a.ignore_eos,
+        record_concurrency=a.record_concurrency,
+        progress=not a.quiet,
+        plots=not a.no_plots,
+        command=command_line(getattr(a, "argv", None)),
+    )
 
-        files = [f for item in (a.results or []) for f in split_list(item)]
-        if not files:
-            raise BenchError("--suite report needs --results FILE.json (repeatable)")
-        out = write_report(files, a.out or "runs/bench/benchmarks.md", title=a.title, preface=a.preface)
-        print(f"wrote {out}", file=sys.stderr)
+
+def bench_parser(prog: str = "dspark bench", suites: tuple[str, ...] = SUITES) -> argparse.ArgumentParser:
+    from dspark_server.config_args import HelpFormatter, add_engine_args
+
+    p = argparse.ArgumentParser(prog=prog, formatter_class=HelpFormatter)
+    add_engine_args(p)
+    add_bench_args(p, suites)
+    return p
 
 
 def main(argv: list[str]) -> int:
     """`dspark bench ARGS` in-process (tests): the command line is recorded as given."""
-    from dspark_server.cli import build_parser
-
-    a = build_parser().parse_args(["bench", *argv])
+    a = bench_parser().parse_args(argv)
     a.argv = ["bench", *argv]
     return run_bench_command(a)

@@ -23,7 +23,6 @@ from the text the request would have produced next. Issue F's goal: dspark ≥ 0
 
 from __future__ import annotations
 
-import argparse
 import json
 import sys
 from collections import deque
@@ -37,16 +36,16 @@ import torch
 
 from dspark_server.bench.common import (
     BenchError,
-    command_line,
+    SuiteConfig,
     concurrency_axis,
     load_prompt_sets,
     machine_info,
     pyplot,
     save_figure,
-    split_ints,
     write_json,
     write_result,
 )
+from dspark_server.bench.render import oracle_markdown
 from dspark_server.planner import (
     PlannerConfig,
     SpsCostTable,
@@ -93,18 +92,22 @@ class RoundLog:
             entry["accepted"].append(int(acc))
 
 
-def record_rounds(
-    a: argparse.Namespace, prompt_files: Sequence[str], concurrency: int, progress: bool = True
-) -> tuple[dict[str, Any], Any]:
+@dataclass(frozen=True)
+class OracleConfig:
+    suite: SuiteConfig  # suite.engine: --profile, --threshold and --sps-only-cost of the replay
+    concurrency: tuple[int, ...] = (1, 4, 16, 64)
+    rounds_file: str | None = None  # replay this recording instead of recording one
+
+
+def record_rounds(a: SuiteConfig, concurrency: int) -> tuple[dict[str, Any], Any]:
     """Full-γ rounds of every prompt; returns (recording, the engine) — the engine is reused to
     find the SPS table."""
-    from dspark_server.cli import _engine_config
     from dspark_server.engine.engine import LLMEngine
     from dspark_server.offline import GenerateConfig, generate
 
-    if a.threads:
-        torch.set_num_threads(a.threads)
-    base = _engine_config(a)
+    base = a.engine
+    if base.num_threads:
+        torch.set_num_threads(base.num_threads)
     if base.draft_dir is None:
         raise BenchError("recording rounds needs a drafter (--draft DIR)")
     cfg = replace(base, spec=replace(base.spec, mode="fixed"), max_running=max(concurrency, 1))
@@ -112,7 +115,7 @@ def record_rounds(
     assert engine.spec is not None
     logger = RoundLog(engine.spec.gamma)
     engine.spec.round_observers.append(logger)
-    sets = load_prompt_sets(prompt_files, a.limit)
+    sets = load_prompt_sets(a.prompt_files, a.limit)
     for ps in sets:
         logger.prompt_set = ps.name
         gen = GenerateConfig(
@@ -122,7 +125,7 @@ def record_rounds(
             temperature=a.temperature,
             seed=a.seed,
             concurrency=concurrency,
-            progress=progress,
+            progress=a.progress,
         )
         for _ in generate(engine, gen):
             pass
@@ -271,39 +274,40 @@ def replay(
 # Command
 
 
-def resolve_table(a: argparse.Namespace, engine: Any | None) -> tuple[SpsCostTable, str]:
-    if a.profile:
-        return load_sps_table(a.profile), a.profile
+def resolve_table(profile: str | None, engine: Any | None) -> tuple[SpsCostTable, str]:
+    if profile:
+        return load_sps_table(profile), profile
     if engine is None:
         raise BenchError("replaying a --rounds-file needs --profile SPS.json")
-    from dspark_server.engine.spec_setup import resolve_sps_table
+    from dspark_server.engine.spec.setup import resolve_sps_table
 
     cfg = replace(engine.cfg, spec=replace(engine.cfg.spec, mode="dspark"))
     return resolve_sps_table(cfg, engine.runner), "profiles/ or the start-up cache (as `dspark serve`)"
 
 
-def run_oracle_command(a: argparse.Namespace, prompt_files: list[str], out: str) -> dict[str, Any]:
-    out_dir = Path(out)
+def run_oracle(cfg: OracleConfig) -> dict[str, Any]:
+    a, spec = cfg.suite, cfg.suite.engine.spec
+    out_dir = Path(a.out)
     engine = None
-    if a.rounds_file:
-        recording = json.loads(Path(a.rounds_file).read_text())
+    if cfg.rounds_file:
+        recording = json.loads(Path(cfg.rounds_file).read_text())
     else:
-        recording, engine = record_rounds(a, prompt_files, a.record_concurrency, progress=not a.quiet)
+        recording, engine = record_rounds(a, a.record_concurrency)
         write_json(out_dir / "rounds.json", recording)
-    table, table_source = resolve_table(a, engine)
+    table, table_source = resolve_table(spec.profile_path, engine)
     lookup = "step (largest probe <= B)"
-    if not getattr(a, "sps_only_cost", False):  # plan and score on the curve dspark serve plans with
+    if spec.price_step_overhead:  # plan and score on the curve dspark serve plans with
         table, lookup = fit_roofline(table), "roofline fitted to the probes (as dspark serve plans)"
-    levels = split_ints(a.concurrency)
+    levels = list(cfg.concurrency)
     replays = []
     for c in levels:
         replays.append(
             {
                 "concurrency": c,
-                "planners": replay(recording["requests"], table, c, recording["gamma"], a.threshold),
+                "planners": replay(recording["requests"], table, c, recording["gamma"], spec.threshold),
             }
         )
-        if not a.quiet:
+        if a.progress:
             ps = replays[-1]["planners"]
             ratios = ", ".join(f"{k} {v['ratio_to_oracle']:.3f}" for k, v in ps.items())
             print(f"concurrency {c:>3}: {ratios}", file=sys.stderr)
@@ -312,15 +316,15 @@ def run_oracle_command(a: argparse.Namespace, prompt_files: list[str], out: str)
         "kind": "oracle",
         "machine": machine_info(),
         "config": {
-            "command": command_line(getattr(a, "argv", None)),
+            "command": a.command,
             "prompt_sets": recording["prompt_sets"],
             "model": recording.get("model"),
             "draft": recording.get("draft"),
             "sps_table": table_source,
             "sps_lookup": lookup,
-            "threshold": a.threshold,
+            "threshold": spec.threshold,
             "concurrency": levels,
-            "rounds_file": a.rounds_file or str(out_dir / "rounds.json"),
+            "rounds_file": cfg.rounds_file or str(out_dir / "rounds.json"),
         },
         "recorded": {
             "requests": len(recording["requests"]),
@@ -332,12 +336,12 @@ def run_oracle_command(a: argparse.Namespace, prompt_files: list[str], out: str)
         "planners": list(replays[0]["planners"]),
         "replays": replays,
     }
-    write_result(result, out_dir, "oracle", _plot, a.no_plots)
+    write_result(result, out_dir, "oracle", oracle_markdown, _plot, a.plots)
     return result
 
 
 def _plot(result: dict[str, Any], path: Path) -> None:
-    from dspark_server.bench.report import MODE_COLORS
+    from dspark_server.bench.render import MODE_COLORS
 
     plt = pyplot()
     fig, axes = plt.subplots(1, 2, figsize=(10.5, 3.8))

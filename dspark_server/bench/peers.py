@@ -20,11 +20,10 @@ ids / wall seconds (prefill included) summed over prompts. Ratios are ours / the
 
 from __future__ import annotations
 
-import argparse
 import math
 import sys
 import time
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -32,14 +31,15 @@ import torch
 
 from dspark_server.bench.common import (
     BenchError,
-    command_line,
+    SuiteConfig,
     load_prompt_sets,
     machine_info,
     pyplot,
     save_figure,
-    split_list,
     write_result,
 )
+from dspark_server.bench.render import peers_markdown
+from dspark_server.config import SpecMode
 
 
 def _truncated_assistant(model_dir: str, layers: int) -> Any:
@@ -118,27 +118,35 @@ class OurSystem:
         return tokens, seconds
 
 
-def run_peers_command(a: argparse.Namespace, prompt_files: list[str], out: str) -> dict[str, Any]:
-    from dspark_server.cli import _engine_config
+@dataclass(frozen=True)
+class PeersConfig:
+    suite: SuiteConfig
+    modes: tuple[SpecMode, ...] = ("off", "dspark")
+    assisted: bool = True  # transformers assisted generation with a truncated assistant
+    assistant_layers: int = 1
+
+
+def run_peers(cfg: PeersConfig) -> dict[str, Any]:
     from dspark_server.engine.engine import LLMEngine
 
-    if a.threads:
-        torch.set_num_threads(a.threads)
-    sets = load_prompt_sets(prompt_files, a.limit)
-    base = _engine_config(a)
-    modes = split_list(a.modes) or ["off", "dspark"]
+    a = cfg.suite
+    base = a.engine
+    if base.num_threads:
+        torch.set_num_threads(base.num_threads)
+    sets = load_prompt_sets(a.prompt_files, a.limit)
     systems: list[Any] = []
     engine = None
-    for mode in modes:
+    for mode in cfg.modes:
         if mode != "off" and base.draft_dir is None:
             raise BenchError(f"mode {mode} needs a drafter (--draft DIR)")
-        cfg = replace(
-            base,
-            spec=replace(base.spec, mode=mode),
-            draft_dir=base.draft_dir if mode != "off" else None,
-            max_running=4,
+        engine = LLMEngine(
+            replace(
+                base,
+                spec=replace(base.spec, mode=mode),
+                draft_dir=base.draft_dir if mode != "off" else None,
+                max_running=4,
+            )
         )
-        engine = LLMEngine(cfg)
         systems.append(OurSystem(mode, engine, a.max_tokens, a.ignore_eos))
     assert engine is not None
     tokenizer = engine.tokenizer
@@ -154,14 +162,14 @@ def run_peers_command(a: argparse.Namespace, prompt_files: list[str], out: str) 
         )
     ]
     notes = []
-    if not a.no_assisted:
+    if cfg.assisted:
         try:
-            assistant = _truncated_assistant(base.model_dir, a.assistant_layers)
+            assistant = _truncated_assistant(base.model_dir, cfg.assistant_layers)
             hf.append(
                 HFSystem(
                     "hf_assisted",
                     f"transformers assisted generation, assistant = target "
-                    f"truncated to {a.assistant_layers} layer(s)",
+                    f"truncated to {cfg.assistant_layers} layer(s)",
                     target,
                     a.max_tokens,
                     a.ignore_eos,
@@ -194,7 +202,7 @@ def run_peers_command(a: argparse.Namespace, prompt_files: list[str], out: str) 
         total=a.rounds * len(prompts) * len(systems),
         desc="peers",
         unit="gen",
-        disable=a.quiet,
+        disable=not a.progress,
         file=sys.stderr,
     ) as bar:
         for rnd in range(a.rounds):
@@ -241,7 +249,7 @@ def run_peers_command(a: argparse.Namespace, prompt_files: list[str], out: str) 
         "kind": "peers",
         "machine": machine_info(),
         "config": {
-            "command": command_line(getattr(a, "argv", None)),
+            "command": a.command,
             "model": base.model_dir,
             "draft": base.draft_dir,
             "prompt_sets": {ps.name: ps.path for ps in sets},
@@ -249,14 +257,14 @@ def run_peers_command(a: argparse.Namespace, prompt_files: list[str], out: str) 
             "max_tokens": a.max_tokens,
             "rounds": a.rounds,
             "ignore_eos": a.ignore_eos,
-            "assistant_layers": a.assistant_layers,
+            "assistant_layers": cfg.assistant_layers,
         },
         "systems": rows,
         "ratios": ratios,
         "output_agreement_with_hf_generate": agreement,
         "notes": notes,
     }
-    write_result(result, Path(out), "peers", _plot, a.no_plots)
+    write_result(result, Path(a.out), "peers", peers_markdown, _plot, a.plots)
     return result
 
 

@@ -235,7 +235,7 @@ async def _run_serving(cfg: ServingConfig) -> dict[str, Any]:
         "round_runs": round_runs,
     }
     write_json(out / "results.json", result)
-    from dspark_server.bench.report import plot_serving, serving_markdown
+    from dspark_server.bench.render import plot_serving, serving_markdown
 
     (out / "results.md").write_text(serving_markdown(result))
     if cfg.plots:

@@ -1,6 +1,6 @@
 """Offline speculation modes side by side (issue C's figure): tokens/s ratio to plain decoding and τ.
 
-    python -m dspark_server.bench.generate_modes --prompts ../shared/prompts/humaneval.jsonl \
+    python -m tools.generate_modes --prompts ../shared/prompts/humaneval.jsonl \
         --limit 32 --max-tokens 128 --modes off,fixed,dspark --rounds 2 --out runs/generate_modes
 
 One engine per mode is built up front; each round runs every mode over the same prompts in a
@@ -119,7 +119,7 @@ def main(argv: list[str] | None = None) -> None:
         "kind": "generate_modes",
         "machine": machine,
         "config": {
-            "command": "python -m dspark_server.bench.generate_modes "
+            "command": "python -m tools.generate_modes "
             + " ".join(sys.argv[1:] if argv is None else argv)
         },
         "limit": a.limit,

@@ -1,7 +1,7 @@
 """Time one DSpark draft step on CPU: batched backbone + gamma-step sequential loop (greedy).
 
-    python -m dspark_server.bench.draft_timing --requests 1 64 --context 256
-    python -m dspark_server.bench.draft_timing --model dspark_server/assets/demo/target \
+    python -m tools.draft_timing --requests 1 64 --context 256
+    python -m tools.draft_timing --model dspark_server/assets/demo/target \
         --drafts dspark_server/assets/demo/draft,work_data/drafters/rnn --json runs/draft_timing.json
 
 Reports the sequential head's share of the step (the paper: 0.2-1.3% of a GPU round). Random
@@ -219,7 +219,7 @@ def main(argv: list[str] | None = None) -> None:
                 "kind": "draft_timing",
                 "machine": {**machine_info(), "torch_threads": torch.get_num_threads()},
                 "config": {
-                    "command": "python -m dspark_server.bench.draft_timing "
+                    "command": "python -m tools.draft_timing "
                     + " ".join(sys.argv[1:] if argv is None else argv),
                     "context": args.context,
                     "repeats": args.repeats,

@@ -1,18 +1,19 @@
 """The paper's figures, one command each (PNG + JSON + a markdown table in the output folder).
 
     # per-position acceptance, DSpark drafter vs a parallel-only drafter (`dspark train draft --head none`)
-    dspark bench --suite acceptance --drafts DSPARK_DIR,PARALLEL_DIR --labels dspark,parallel-only \\
+    python -m tools.paper --suite acceptance --drafts DSPARK_DIR,PARALLEL_DIR --labels dspark,parallel-only \\
         --prompts humaneval.jsonl,mt-bench.jsonl --out runs/bench/paper/acceptance
     # γ = 7 vs 15 (the second drafter trained with `dspark train draft --gamma 15`)
-    dspark bench --suite acceptance --drafts G7_DIR,G15_DIR --labels "γ=7,γ=15" ... --out .../gamma
+    python -m tools.paper --suite acceptance --drafts G7_DIR,G15_DIR --labels "γ=7,γ=15" ... --out .../gamma
     # fixed-threshold sweep: acceptance rate and tokens per step vs threshold, per domain
-    dspark bench --suite threshold-sweep --prompts humaneval.jsonl,mt-bench.jsonl,gsm8k.jsonl ...
+    python -m tools.paper --suite threshold-sweep --prompts humaneval.jsonl,mt-bench.jsonl,gsm8k.jsonl ...
     # ECE per position before / after STS (from the calibration JSON `dspark calibrate` wrote)
-    dspark bench --suite ece --calibration FILE.json
+    python -m tools.paper --suite ece --calibration FILE.json
     # TPS and verification budget vs concurrency (from a serving sweep's results.json, or runs one)
-    dspark bench --suite concurrency --results runs/bench/serving/results.json
+    python -m tools.paper --suite concurrency --results runs/bench/serving/results.json
     # all of the above that the inputs allow
-    dspark bench --suite paper --prompts ... [--parallel-draft DIR] [--gamma-drafts G7,G15] [--results FILE]
+    python -m tools.paper --suite paper --prompts ... [--parallel-draft DIR] [--gamma-drafts G7,G15] \\
+        [--results FILE]
 
 Acceptance is measured as in `dspark eval acceptance`: full-γ verification, greedy, conditional
 acceptance per position p_k = P(draft k accepted | 1..k−1 accepted) and τ (bonus included).
@@ -20,45 +21,59 @@ acceptance per position p_k = P(draft k accepted | 1..k−1 accepted) and τ (bo
 
 from __future__ import annotations
 
-import argparse
 import json
 import math
 import sys
-from dataclasses import replace
+from collections.abc import Sequence
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
 from dspark_server.bench.common import (
     BenchError,
-    command_line,
-    concurrency_axis,
+    SuiteConfig,
     load_prompt_sets,
     machine_info,
-    pyplot,
-    save_figure,
     split_list,
     write_json,
     write_result,
 )
+from dspark_server.bench.serving_config import ServingConfig
+from dspark_server.config import EngineConfig, SpecMode
+from tools.paper_plots import plot_acceptance, plot_concurrency, plot_ece, plot_thresholds
+from tools.report import acceptance_markdown, ece_markdown, threshold_markdown
 
 DEFAULT_THRESHOLDS = [round(0.05 * i, 2) for i in range(20)] + [0.97, 0.99]
 
 
-def _engine(a: argparse.Namespace, draft: str | None, mode: str, running: int) -> Any:
+@dataclass(frozen=True)
+class PaperConfig:
+    suite: SuiteConfig  # suite.engine: the target, the main drafter, --calibration for the ECE figure
+    drafts: tuple[str, ...] = ()  # acceptance: drafters to compare (default: the main drafter)
+    labels: tuple[str, ...] = ()
+    thresholds: tuple[float, ...] = ()  # threshold sweep (default: DEFAULT_THRESHOLDS)
+    parallel_draft: str | None = None  # paper: the parallel-only drafter
+    gamma_drafts: tuple[str, ...] = ()  # paper: G7_DIR, G15_DIR
+    results: tuple[str, ...] = ()  # concurrency: a serving sweep's results.json
+    serving: ServingConfig | None = None  # concurrency without results: the sweep to run
+
+
+def _engine(cfg: PaperConfig, draft: str | None, mode: SpecMode, running: int) -> Any:
     import torch
 
-    from dspark_server.cli import _engine_config
     from dspark_server.engine.engine import LLMEngine
 
-    if a.threads:
-        torch.set_num_threads(a.threads)
-    base = _engine_config(argparse.Namespace(**{**vars(a), "draft": draft or a.draft, "spec_mode": None}))
-    if base.draft_dir is None:
+    base = cfg.suite.engine
+    if base.num_threads:
+        torch.set_num_threads(base.num_threads)
+    draft = draft or base.draft_dir
+    if draft is None:
         raise BenchError("this figure needs a drafter (--draft DIR or --drafts DIRS)")
-    return LLMEngine(replace(base, spec=replace(base.spec, mode=mode), max_running=max(running, 1)))
+    spec = replace(base.spec, mode=mode)
+    return LLMEngine(replace(base, draft_dir=draft, spec=spec, max_running=max(running, 1)))
 
 
-def _generate_all(engine: Any, a: argparse.Namespace, path: str) -> None:
+def _generate_all(engine: Any, a: SuiteConfig, path: str) -> None:
     from dspark_server.offline import GenerateConfig, generate
 
     gen = GenerateConfig(
@@ -68,7 +83,7 @@ def _generate_all(engine: Any, a: argparse.Namespace, path: str) -> None:
         temperature=a.temperature,
         seed=a.seed,
         concurrency=a.record_concurrency,
-        progress=not a.quiet,
+        progress=a.progress,
     )
     for _ in generate(engine, gen):
         pass
@@ -78,24 +93,24 @@ def _generate_all(engine: Any, a: argparse.Namespace, path: str) -> None:
 # Per-position acceptance of several drafters
 
 
-def run_acceptance_command(
-    a: argparse.Namespace,
-    prompt_files: list[str],
+def run_acceptance(
+    cfg: PaperConfig,
     out: str,
-    drafts: list[str] | None = None,
-    labels: list[str] | None = None,
+    drafts: Sequence[str] = (),
+    labels: Sequence[str] = (),
     title: str = "Per-position acceptance",
 ) -> dict[str, Any]:
     from dspark_server.jobs.acceptance import AcceptanceRecorder
 
-    drafts = drafts or split_list(a.drafts) or [a.draft or _default_draft()]
-    labels = labels or split_list(a.labels) or [Path(d).name for d in drafts]
+    a = cfg.suite
+    drafts = list(drafts or cfg.drafts or [a.engine.draft_dir or _default_draft()])
+    labels = list(labels or cfg.labels or [Path(d).name for d in drafts])
     if len(labels) != len(drafts):
         raise BenchError(f"--labels has {len(labels)} entries for {len(drafts)} --drafts")
-    sets = load_prompt_sets(prompt_files, a.limit)
+    sets = load_prompt_sets(a.prompt_files, a.limit)
     results: dict[str, list[dict[str, Any]]] = {ps.name: [] for ps in sets}
     for draft, label in zip(drafts, labels, strict=True):
-        engine = _engine(a, draft, "fixed", a.record_concurrency)
+        engine = _engine(cfg, draft, "fixed", a.record_concurrency)
         for ps in sets:
             recorder = AcceptanceRecorder(engine.spec.gamma)
             engine.spec.round_observers[:] = [recorder]
@@ -107,7 +122,7 @@ def run_acceptance_command(
         "title": title,
         "machine": machine_info(),
         "config": {
-            "command": command_line(getattr(a, "argv", None)),
+            "command": a.command,
             "drafts": drafts,
             "labels": labels,
             "prompt_sets": {ps.name: ps.path for ps in sets},
@@ -117,33 +132,8 @@ def run_acceptance_command(
         },
         "results": results,
     }
-    write_result(result, Path(out), "acceptance", _plot_acceptance, a.no_plots)
+    write_result(result, Path(out), "acceptance", acceptance_markdown, plot_acceptance, a.plots)
     return result
-
-
-def _plot_acceptance(result: dict[str, Any], path: Path) -> None:
-    from matplotlib.ticker import MaxNLocator
-
-    plt = pyplot()
-    sets = list(result["results"])
-    fig, axes = plt.subplots(1, len(sets), figsize=(5.2 * len(sets), 3.8), squeeze=False)
-    for ax, ps in zip(axes[0], sets, strict=True):
-        for e in result["results"][ps]:
-            ks = list(range(1, e["gamma"] + 1))
-            ax.plot(
-                ks,
-                e["per_position_conditional_acceptance"],
-                marker="o",
-                label=f"{e['label']} (τ = {e['mean_acceptance_length']:.2f})",
-            )
-        ax.xaxis.set_major_locator(MaxNLocator(integer=True))
-        ax.set_xlabel("draft position k")
-        ax.set_ylabel("P(accept k | accepted k−1)")
-        ax.set_ylim(0, 1.02)
-        ax.set_title(ps)
-        ax.grid(alpha=0.3)
-        ax.legend(fontsize=8)
-    save_figure(fig, path)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -177,12 +167,13 @@ def threshold_rows(requests: list[dict[str, Any]], thresholds: list[float]) -> l
     return rows
 
 
-def run_threshold_command(a: argparse.Namespace, prompt_files: list[str], out: str) -> dict[str, Any]:
+def run_threshold(cfg: PaperConfig, out: str, draft: str | None = None) -> dict[str, Any]:
     from dspark_server.bench.oracle import RoundLog
 
-    thresholds = [float(x) for x in split_list(a.thresholds)] or DEFAULT_THRESHOLDS
-    sets = load_prompt_sets(prompt_files, a.limit)
-    engine = _engine(a, None, "fixed", a.record_concurrency)
+    a = cfg.suite
+    thresholds = list(cfg.thresholds) or DEFAULT_THRESHOLDS
+    sets = load_prompt_sets(a.prompt_files, a.limit)
+    engine = _engine(cfg, draft, "fixed", a.record_concurrency)
     logger = RoundLog(engine.spec.gamma)
     engine.spec.round_observers[:] = [logger]
     domains = {}
@@ -197,7 +188,7 @@ def run_threshold_command(a: argparse.Namespace, prompt_files: list[str], out: s
         "kind": "threshold_sweep",
         "machine": machine_info(),
         "config": {
-            "command": command_line(getattr(a, "argv", None)),
+            "command": a.command,
             "draft": engine.cfg.draft_dir,
             "gamma": engine.spec.gamma,
             "prompt_sets": {ps.name: ps.path for ps in sets},
@@ -207,24 +198,8 @@ def run_threshold_command(a: argparse.Namespace, prompt_files: list[str], out: s
         },
         "domains": domains,
     }
-    write_result(result, Path(out), "threshold_sweep", _plot_thresholds, a.no_plots)
+    write_result(result, Path(out), "threshold_sweep", threshold_markdown, plot_thresholds, a.plots)
     return result
-
-
-def _plot_thresholds(result: dict[str, Any], path: Path) -> None:
-    plt = pyplot()
-    fig, axes = plt.subplots(1, 2, figsize=(10.5, 3.8))
-    for ps, rows in result["domains"].items():
-        ts = [r["threshold"] for r in rows]
-        axes[0].plot(ts, [r["acceptance_rate"] for r in rows], marker=".", label=ps)
-        axes[1].plot(ts, [r["tokens_per_step"] for r in rows], marker=".", label=ps)
-    axes[0].set_ylabel("acceptance rate (accepted / verified)")
-    axes[1].set_ylabel("tokens per request per step")
-    for ax in axes:
-        ax.set_xlabel("threshold on calibrated prefix survival")
-        ax.grid(alpha=0.3)
-        ax.legend(fontsize=8)
-    save_figure(fig, path)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -240,13 +215,14 @@ def _default_draft() -> str:
     return d
 
 
-def find_calibration(a: argparse.Namespace) -> Path:
+def find_calibration(engine: EngineConfig) -> Path:
     from dspark_server.assets import DEMO_CALIBRATION
-    from dspark_server.engine.spec_setup import CALIBRATION_FILE
+    from dspark_server.engine.spec.setup import CALIBRATION_FILE
 
-    candidates = [Path(a.calibration)] if a.calibration else []
-    if a.draft:
-        candidates.append(Path(a.draft) / CALIBRATION_FILE)
+    calibration = engine.spec.calibration_path
+    candidates = [Path(calibration)] if calibration else []
+    if engine.draft_dir:
+        candidates.append(Path(engine.draft_dir) / CALIBRATION_FILE)
     from dspark_server.assets import DEMO_DRAFT
 
     candidates += [DEMO_DRAFT / CALIBRATION_FILE, DEMO_CALIBRATION]
@@ -259,10 +235,10 @@ def find_calibration(a: argparse.Namespace) -> Path:
     )
 
 
-def run_ece_command(a: argparse.Namespace, out: str) -> dict[str, Any]:
+def run_ece(cfg: PaperConfig, out: str) -> dict[str, Any]:
     from dspark_server.planner import load_sts_calibration
 
-    path = find_calibration(a)
+    path = find_calibration(cfg.suite.engine)
     load_sts_calibration(path)  # validates
     raw = json.loads(path.read_text())
     if not raw.get("ece_before") or not raw.get("ece_after"):
@@ -271,7 +247,7 @@ def run_ece_command(a: argparse.Namespace, out: str) -> dict[str, Any]:
         "kind": "ece",
         "machine": machine_info(),
         "calibration": str(path),
-        "config": {"command": command_line(getattr(a, "argv", None))},
+        "config": {"command": cfg.suite.command},
         "dataset": raw.get("dataset"),
         "num_samples": raw.get("num_samples"),
         "temperatures": raw["temperatures"],
@@ -280,41 +256,25 @@ def run_ece_command(a: argparse.Namespace, out: str) -> dict[str, Any]:
         "max_ece_after": max(raw["ece_after"]),
         "goal_max_ece_after": 0.02,
     }
-    write_result(result, Path(out), "ece", _plot_ece, a.no_plots)
+    write_result(result, Path(out), "ece", ece_markdown, plot_ece, cfg.suite.plots)
     return result
-
-
-def _plot_ece(result: dict[str, Any], path: Path) -> None:
-    plt = pyplot()
-    before, after = result["ece_before"], result["ece_after"]
-    ks = list(range(1, len(before) + 1))
-    fig, ax = plt.subplots(figsize=(1.5 + 0.6 * len(ks), 3.6))
-    ax.bar([k - 0.2 for k in ks], [100 * x for x in before], 0.4, label="before STS", color="tab:gray")
-    ax.bar([k + 0.2 for k in ks], [100 * x for x in after], 0.4, label="after STS", color="tab:red")
-    ax.axhline(2.0, color="k", linestyle=":", linewidth=1)
-    ax.set_xticks(ks)
-    ax.set_xlabel("draft position k")
-    ax.set_ylabel("ECE of prefix survival (%)")
-    ax.grid(alpha=0.3, axis="y")
-    ax.legend(fontsize=8)
-    save_figure(fig, path)
 
 
 # ---------------------------------------------------------------------------------------------
 # TPS and verification budget vs concurrency
 
 
-def run_concurrency_command(a: argparse.Namespace, out: str) -> dict[str, Any]:
-    from dspark_server.bench.main import serving_config
+def run_concurrency(cfg: PaperConfig, out: str) -> dict[str, Any]:
     from dspark_server.bench.serving import run_serving
 
-    files = [f for item in (a.results or []) for f in split_list(item)]
     out_dir = Path(out)
-    if files:
-        serving = json.loads(Path(files[0]).read_text())
-        source = files[0]
+    if cfg.results:
+        serving = json.loads(Path(cfg.results[0]).read_text())
+        source = cfg.results[0]
+    elif cfg.serving is None:
+        raise BenchError("pass --results SERVING/results.json or --prompts (runs a serving sweep)")
     else:
-        serving = run_serving(serving_config(a, out=str(out_dir / "serving")))
+        serving = run_serving(replace(cfg.serving, out=str(out_dir / "serving")))
         source = str(out_dir / "serving" / "results.json")
     keys = (
         "output_tokens_per_s",
@@ -342,71 +302,30 @@ def run_concurrency_command(a: argparse.Namespace, out: str) -> dict[str, Any]:
     }
     out_dir.mkdir(parents=True, exist_ok=True)
     write_json(out_dir / "concurrency.json", result)
-    from dspark_server.bench.report import serving_markdown
+    from dspark_server.bench.render import serving_markdown
 
     (out_dir / "concurrency.md").write_text(
         serving_markdown(serving, title="TPS and verification budget vs concurrency")
     )
-    if not a.no_plots:
-        _plot_concurrency(serving, out_dir / "concurrency.png")
+    if cfg.suite.plots:
+        plot_concurrency(serving, out_dir / "concurrency.png")
     print(f"wrote {out_dir / 'concurrency.png'}", file=sys.stderr)
     return result
-
-
-def _plot_concurrency(serving: dict[str, Any], path: Path) -> None:
-    from dspark_server.bench.report import MODE_COLORS, _mode_key
-
-    plt = pyplot()
-    runs = serving["runs"]
-    sets = list(dict.fromkeys(r["prompt_set"] for r in runs))
-    modes = sorted(dict.fromkeys(r["mode"] for r in runs), key=_mode_key)
-    styles = ["-", "--", ":", "-."]
-    fig, axes = plt.subplots(1, 2, figsize=(10.5, 3.8))
-    for j, ps in enumerate(sets):
-        for mode in modes:
-            rows = sorted(
-                (r for r in runs if r["prompt_set"] == ps and r["mode"] == mode),
-                key=lambda r: r["concurrency"],
-            )
-            xs = [r["concurrency"] for r in rows]
-            label = mode if len(sets) == 1 else f"{mode} ({ps})"
-            axes[0].plot(
-                xs,
-                [r["output_tokens_per_s"] for r in rows],
-                marker="o",
-                linestyle=styles[j % 4],
-                color=MODE_COLORS.get(mode),
-                label=label,
-            )
-            if mode != "off":
-                axes[1].plot(
-                    xs,
-                    [r["mean_verify_budget_per_step"] for r in rows],
-                    marker="o",
-                    linestyle=styles[j % 4],
-                    color=MODE_COLORS.get(mode),
-                    label=label,
-                )
-    axes[0].set_ylabel("output tokens/s")
-    axes[1].set_ylabel("verification budget per step (Σℓ)")
-    for ax in axes:
-        concurrency_axis(ax, 7)
-    save_figure(fig, path)
 
 
 # ---------------------------------------------------------------------------------------------
 # Everything
 
 
-def run_paper_suite(a: argparse.Namespace, out: str) -> dict[str, Any]:
+def run_paper(cfg: PaperConfig, out: str) -> dict[str, Any]:
     """Each figure whose inputs exist, in its own folder; the rest listed with the reason."""
     from dspark_server.assets import DEMO_DIR
 
     out_dir = Path(out)
-    prompt_files = [f for item in (a.prompts or []) for f in split_list(item)]
+    prompt_files = cfg.suite.prompt_files
     done: dict[str, str] = {}
     skipped: dict[str, str] = {}
-    main_draft = a.draft
+    main_draft = cfg.suite.engine.draft_dir
     if main_draft is None:
         try:
             main_draft = _default_draft()
@@ -422,16 +341,15 @@ def run_paper_suite(a: argparse.Namespace, out: str) -> dict[str, Any]:
             skipped[name] = str(exc)
             print(f"   skipped: {exc}", file=sys.stderr)
 
-    parallel = a.parallel_draft or (
+    parallel = cfg.parallel_draft or (
         str(DEMO_DIR / "draft_none") if (DEMO_DIR / "draft_none" / "config.json").is_file() else None
     )
     if main_draft and prompt_files:
         if parallel:
             attempt(
                 "acceptance",
-                lambda: run_acceptance_command(
-                    a,
-                    prompt_files,
+                lambda: run_acceptance(
+                    cfg,
                     str(out_dir / "acceptance"),
                     [main_draft, parallel],
                     ["dspark", "parallel-only"],
@@ -443,12 +361,12 @@ def run_paper_suite(a: argparse.Namespace, out: str) -> dict[str, Any]:
                 "no parallel-only drafter: pass --parallel-draft DIR (train one with "
                 "`dspark train draft --head none --out DIR`)"
             )
-        gamma_drafts = split_list(a.gamma_drafts)
+        gamma_drafts = cfg.gamma_drafts
         if len(gamma_drafts) == 2:
             attempt(
                 "gamma",
-                lambda: run_acceptance_command(
-                    a, prompt_files, str(out_dir / "gamma"), gamma_drafts, ["γ=7", "γ=15"], "γ = 7 vs γ = 15"
+                lambda: run_acceptance(
+                    cfg, str(out_dir / "gamma"), gamma_drafts, ["γ=7", "γ=15"], "γ = 7 vs γ = 15"
                 ),
             )
         else:
@@ -458,23 +376,19 @@ def run_paper_suite(a: argparse.Namespace, out: str) -> dict[str, Any]:
             )
         attempt(
             "threshold_sweep",
-            lambda: run_threshold_command(
-                argparse.Namespace(**{**vars(a), "draft": main_draft}),
-                prompt_files,
-                str(out_dir / "threshold_sweep"),
-            ),
+            lambda: run_threshold(cfg, str(out_dir / "threshold_sweep"), main_draft),
         )
     elif not prompt_files:
         skipped["acceptance, gamma, threshold_sweep"] = "no --prompts given"
-    attempt("ece", lambda: run_ece_command(a, str(out_dir / "ece")))
-    if a.results or (prompt_files and main_draft):
-        attempt("concurrency", lambda: run_concurrency_command(a, str(out_dir / "concurrency")))
+    attempt("ece", lambda: run_ece(cfg, str(out_dir / "ece")))
+    if cfg.results or (prompt_files and main_draft):
+        attempt("concurrency", lambda: run_concurrency(cfg, str(out_dir / "concurrency")))
     else:
         skipped["concurrency"] = "pass --results SERVING/results.json or --prompts (runs a serving sweep)"
     index = {
         "kind": "paper_index",
         "machine": machine_info(),
-        "command": command_line(getattr(a, "argv", None)),
+        "command": cfg.suite.command,
         "figures": done,
         "skipped": skipped,
     }
@@ -482,3 +396,51 @@ def run_paper_suite(a: argparse.Namespace, out: str) -> dict[str, Any]:
     for k, v in skipped.items():
         print(f"skipped {k}: {v}", file=sys.stderr)
     return index
+
+
+PAPER_SUITES = ("paper", "acceptance", "threshold-sweep", "ece", "concurrency")
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python -m tools.paper --suite SUITE ...`` (every `dspark bench` flag applies too)."""
+    from dspark_server.bench.main import bench_parser, serving_config, suite_config
+
+    p = bench_parser("python -m tools.paper", PAPER_SUITES)
+    p.description = __doc__.split("\n\n")[0]
+    g = p.add_argument_group("paper figures")
+    g.add_argument("--drafts", default=None, help="acceptance: comma-separated drafter directories")
+    g.add_argument("--labels", default=None, help="acceptance: comma-separated labels for --drafts")
+    g.add_argument("--parallel-draft", default=None, help="paper: parallel-only drafter to compare with")
+    g.add_argument("--gamma-drafts", default=None, help="paper: two drafters 'G7_DIR,G15_DIR'")
+    g.add_argument("--thresholds", default=None, help="threshold-sweep: comma-separated cut-offs")
+    g.add_argument("--results", action="append", default=None, help="concurrency: serving results.json")
+    a = p.parse_args(argv)
+    a.argv = ["python", "-m", "tools.paper", *(sys.argv[1:] if argv is None else argv)]
+    name = {"threshold-sweep": "threshold_sweep"}.get(a.suite, a.suite)
+    try:
+        cfg = PaperConfig(
+            suite=suite_config(a, f"paper/{name}", prompts=bool(a.prompts)),
+            drafts=tuple(split_list(a.drafts)),
+            labels=tuple(split_list(a.labels)),
+            thresholds=tuple(float(x) for x in split_list(a.thresholds)),
+            parallel_draft=a.parallel_draft,
+            gamma_drafts=tuple(split_list(a.gamma_drafts)),
+            results=tuple(f for item in (a.results or []) for f in split_list(item)),
+            serving=serving_config(a) if a.prompts else None,
+        )
+        run = {
+            "paper": run_paper,
+            "acceptance": run_acceptance,
+            "threshold-sweep": run_threshold,
+            "ece": run_ece,
+            "concurrency": run_concurrency,
+        }[a.suite]
+        run(cfg, cfg.suite.out)
+    except BenchError as exc:
+        print(f"tools.paper: error: {exc}", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,6 +1,6 @@
 """Plain-decoding throughput of the engine vs concurrency (continuous batching at work).
 
-    python -m dspark_server.bench.decode_throughput --out runs/decode [--model DIR]
+    python -m tools.decode_throughput --out runs/decode [--model DIR]
 
 Without ``--model`` it builds a random ~5M-parameter Qwen3 (hidden 256, 6 layers) so the figure
 does not depend on the demo checkpoint. Concurrency levels run interleaved, several rounds, and
@@ -91,7 +91,7 @@ def main(argv: list[str] | None = None) -> None:
         "kind": "decode_throughput",
         "machine": {**machine_info(), "torch_threads": torch.get_num_threads()},
         "config": {
-            "command": "python -m dspark_server.bench.decode_throughput "
+            "command": "python -m tools.decode_throughput "
             + " ".join(sys.argv[1:] if argv is None else argv),
             "prompt_len": a.prompt_len,
             "rounds": a.rounds,

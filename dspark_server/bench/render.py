@@ -1,27 +1,43 @@
-"""Plots and markdown tables from the bench suites' JSON, so docs/benchmarks.md is generated.
-
-    dspark bench --suite report --results runs/bench/results.json,runs/peers/peers.json \\
-        --out docs/benchmarks.md
-
-Every table carries the machine it ran on and the exact command that produced it.
-"""
+"""Markdown tables and plots of the `dspark bench` suites' results (serving sweep, peers, oracle):
+what a suite prints and writes beside its JSON. Every table carries the machine it ran on and the
+exact command that produced it. (The docs page is assembled by tools/report.py.)"""
 
 from __future__ import annotations
 
-import json
 import math
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 from dspark_server.bench.common import concurrency_axis, pyplot, save_figure
-from dspark_server.bench.report_common import fmt, machine_line, table
-from dspark_server.bench.report_engine import (
-    decode_throughput_markdown,
-    draft_timing_markdown,
-    generate_modes_markdown,
-    sps_markdown,
-)
+
+
+def fmt(x: Any, digits: int = 2, scale: float = 1.0) -> str:
+    if x is None or (isinstance(x, float) and not math.isfinite(x)):
+        return "–"
+    if isinstance(x, int) and scale == 1.0:
+        return str(x)
+    return f"{x * scale:.{digits}f}"
+
+
+def table(header: Sequence[str], rows: Sequence[Sequence[str]]) -> str:
+    lines = ["| " + " | ".join(header) + " |", "| " + " | ".join("---" for _ in header) + " |"]
+    lines += ["| " + " | ".join(r) + " |" for r in rows]
+    return "\n".join(lines)
+
+
+def machine_line(machine: dict[str, Any]) -> str:
+    parts = [f"{machine.get('cpu', '?')}", f"{machine.get('cores', '?')} cores"]
+    if machine.get("memory_gib"):
+        parts.append(f"{machine['memory_gib']} GiB RAM")
+    if machine.get("torch"):
+        parts.append(f"torch {machine['torch']}")
+    if machine.get("git_commit"):
+        parts.append(f"commit {machine['git_commit']}")
+    if machine.get("load_average_1m") is not None:
+        parts.append(f"load {machine['load_average_1m']} at start")
+    return "Machine: " + ", ".join(parts) + "."
+
 
 MODE_ORDER = ("off", "fixed", "threshold", "dspark", "dspark_budget")
 MODE_COLORS = {
@@ -34,7 +50,7 @@ MODE_COLORS = {
 }
 
 
-def _mode_key(mode: str) -> tuple[int, str]:
+def mode_key(mode: str) -> tuple[int, str]:
     return (MODE_ORDER.index(mode) if mode in MODE_ORDER else len(MODE_ORDER), mode)
 
 
@@ -116,7 +132,7 @@ def serving_markdown(result: dict[str, Any], title: str = "Serving sweep") -> st
     for ps in dict.fromkeys(r["prompt_set"] for r in result["runs"]):
         rows = sorted(
             (r for r in result["runs"] if r["prompt_set"] == ps),
-            key=lambda r: (r["concurrency"], _mode_key(r["mode"])),
+            key=lambda r: (r["concurrency"], mode_key(r["mode"])),
         )
         n = cfg.get("prompts_per_set", {}).get(ps)
         out += [f"### {ps}" + (f" ({n} prompts)" if n else ""), ""]
@@ -156,7 +172,7 @@ def plot_serving(result: dict[str, Any], out_dir: Path) -> list[Path]:
     plt = pyplot()
     runs = result["runs"]
     sets = list(dict.fromkeys(r["prompt_set"] for r in runs))
-    modes = sorted(dict.fromkeys(r["mode"] for r in runs), key=_mode_key)
+    modes = sorted(dict.fromkeys(r["mode"] for r in runs), key=mode_key)
     styles = ["-", "--", ":", "-."]
     paths = []
 
@@ -319,227 +335,3 @@ def oracle_markdown(result: dict[str, Any]) -> str:
     out.append(table(header, rows))
     out.append("")
     return "\n".join(out)
-
-
-def acceptance_summary(result: dict[str, Any]) -> list[str]:
-    """τ of every drafter per prompt set, and the first drafter's gain over each of the others."""
-    sets = list(result["results"])
-    labels = [e["label"] for e in result["results"][sets[0]]] if sets else []
-    if len(labels) < 2:
-        return []
-    header = ["prompts"] + [f"τ {lb}" for lb in labels] + [f"{labels[0]} vs {lb}" for lb in labels[1:]]
-    rows, gains = [], {lb: [] for lb in labels[1:]}
-    for ps in sets:
-        tau = {e["label"]: e["mean_acceptance_length"] for e in result["results"][ps]}
-        row = [ps] + [fmt(tau.get(lb)) for lb in labels]
-        for lb in labels[1:]:
-            g = tau[labels[0]] / tau[lb] - 1 if tau.get(lb) else math.nan
-            gains[lb].append(g)
-            row.append(f"{g:+.1%}" if math.isfinite(g) else "–")
-        rows.append(row)
-    mean = ["mean"] + ["" for _ in labels] + [f"{sum(v) / len(v):+.1%}" for v in gains.values()]
-    return [table(header, rows + [mean]), ""]
-
-
-def acceptance_markdown(result: dict[str, Any]) -> str:
-    cfg = result["config"]
-    heading = (
-        f"{result.get('title', 'Per-position acceptance')}: {' vs '.join(cfg.get('labels', []))}, "
-        f"temperature {cfg.get('temperature', 0.0)}"
-    )
-    out = [
-        f"## {heading}",
-        "",
-        machine_line(result["machine"]),
-        "",
-        f"Command: `{cfg.get('command', '')}`",
-        "",
-        f"Temperature {cfg.get('temperature', 0.0)}, first {cfg.get('limit')} prompts per file, "
-        f"{cfg.get('max_tokens')} new tokens, every round verifies all γ drafts.",
-        "",
-    ]
-    out += acceptance_summary(result)
-    for ps, entries in result["results"].items():
-        gamma = max(e["gamma"] for e in entries)
-        out += [f"### {ps}", ""]
-        header = ["drafter", "γ", "τ", "rounds"] + [f"p{k}" for k in range(1, gamma + 1)]
-        rows = [
-            [e["label"], str(e["gamma"]), fmt(e["mean_acceptance_length"]), str(e["rounds"])]
-            + [fmt(x) for x in e["per_position_conditional_acceptance"]]
-            + ["" for _ in range(gamma - e["gamma"])]
-            for e in entries
-        ]
-        out += [table(header, rows), ""]
-    out.append(
-        "p_k = P(draft k accepted | drafts 1..k−1 accepted), full-γ verification; τ = tokens "
-        "per round, bonus included."
-    )
-    return "\n".join(out) + "\n"
-
-
-def threshold_markdown(result: dict[str, Any]) -> str:
-    out = [
-        "## Fixed-threshold sweep",
-        "",
-        machine_line(result["machine"]),
-        "",
-        f"Command: `{result['config'].get('command', '')}`",
-        "",
-        "Replayed on recorded full-γ rounds: ℓ = largest j with calibrated prefix survival ≥ t; "
-        "acceptance rate = accepted / verified drafts; tokens per step = emitted tokens per request "
-        "per step (accepted + 1).",
-        "",
-    ]
-    for ps, rows in result["domains"].items():
-        out += [f"### {ps}", ""]
-        out += [
-            table(
-                ["threshold", "acceptance rate", "tokens / step", "mean ℓ"],
-                [
-                    [
-                        fmt(r["threshold"]),
-                        fmt(r["acceptance_rate"], 3),
-                        fmt(r["tokens_per_step"], 3),
-                        fmt(r["mean_verify_len"]),
-                    ]
-                    for r in rows
-                ],
-            ),
-            "",
-        ]
-    return "\n".join(out)
-
-
-def ece_markdown(result: dict[str, Any]) -> str:
-    before, after = result["ece_before"], result["ece_after"]
-    out = [
-        "## ECE per position before / after STS",
-        "",
-        f"Calibration file `{result['calibration']}` ({result.get('num_samples')} rounds of "
-        f"{result.get('dataset')}).",
-        "",
-    ]
-    out.append(
-        table(
-            ["position"] + [str(k + 1) for k in range(len(before))],
-            [
-                ["ECE before (%)"] + [fmt(x, 2, 100) for x in before],
-                ["ECE after (%)"] + [fmt(x, 2, 100) for x in after],
-                ["temperature"] + [fmt(x, 3) for x in result["temperatures"]],
-            ],
-        )
-    )
-    out.append("")
-    return "\n".join(out)
-
-
-def concurrency_markdown(result: dict[str, Any]) -> str:
-    out = [
-        "## TPS and verification budget vs concurrency",
-        "",
-        machine_line(result["machine"]),
-        "",
-        f"Command: `{result['config'].get('command', '')}` (from `{result.get('source')}`)",
-        "",
-    ]
-    rows = sorted(result["series"], key=lambda r: (r["prompt_set"], r["concurrency"], _mode_key(r["mode"])))
-    header = ["prompt set", "mode", "conc.", "output tok/s", "budget / step", "verified / req / step", "τ"]
-    out.append(
-        table(
-            header,
-            [
-                [
-                    r["prompt_set"],
-                    r["mode"],
-                    str(r["concurrency"]),
-                    fmt(r["output_tokens_per_s"], 1),
-                    fmt(r["mean_verify_budget_per_step"], 1),
-                    fmt(r["mean_verified_drafts_per_request_step"]),
-                    fmt(r["mean_acceptance_length"]),
-                ]
-                for r in rows
-            ],
-        )
-    )
-    return "\n".join(out) + "\n"
-
-
-def paper_index_markdown(result: dict[str, Any]) -> str:
-    out = ["## Paper figures", "", f"Command: `{result.get('command', '')}`", ""]
-    out += [f"- {k}: `{v}`" for k, v in result["figures"].items()]
-    out += [f"- {k}: not made ({v})" for k, v in result["skipped"].items()]
-    return "\n".join(out) + "\n"
-
-
-RENDERERS = {
-    "serving": serving_markdown,
-    "peers": peers_markdown,
-    "oracle": oracle_markdown,
-    "acceptance": acceptance_markdown,
-    "threshold_sweep": threshold_markdown,
-    "ece": ece_markdown,
-    "concurrency": concurrency_markdown,
-    "paper_index": paper_index_markdown,
-    "decode_throughput": decode_throughput_markdown,
-    "generate_modes": generate_modes_markdown,
-    "draft_timing": draft_timing_markdown,
-    "sps": sps_markdown,
-}
-
-
-def kind_of(result: dict[str, Any]) -> str:
-    if "kind" in result:
-        return result["kind"]
-    if "sample_batch_tokens" in result:
-        return "sps"
-    if "runs" in result and "config" in result:
-        return "serving"
-    raise ValueError("not a dspark bench result (no 'kind' and no 'runs')")
-
-
-def render(result: dict[str, Any]) -> str:
-    kind = kind_of(result)
-    if kind == "serving":
-        return serving_markdown(result)
-    return RENDERERS[kind](result)
-
-
-def write_report(
-    result_paths: Sequence[str], out: str | Path, title: str = "Benchmarks", preface: str | Path | None = None
-) -> Path:
-    """One markdown page from several result JSON files (any suite), in the order given.
-
-    Each JSON and the PNGs beside it are copied into a folder named after the page
-    (docs/benchmarks.md -> docs/benchmarks/NN-KIND/), so the page and its figures can be committed
-    while runs/ stays ignored."""
-    import shutil
-
-    out = Path(out)
-    assets = out.with_suffix("")
-    parts = [
-        f"# {title}",
-        "",
-        "Generated by `dspark bench --suite report` from the result files below (copied, with "
-        f"their figures, into `{assets.name}/`); do not edit by hand: rerun the commands shown.",
-        "",
-    ]
-    if preface is not None:  # prose that reads the tables below (it must not type figures itself)
-        parts += [Path(preface).read_text().strip(), ""]
-    for i, p in enumerate(result_paths, 1):
-        path = Path(p)
-        result = json.loads(path.read_text())
-        kind = kind_of(result)
-        dest = assets / f"{i:02d}-{kind}"
-        if dest.exists():
-            shutil.rmtree(dest)
-        dest.mkdir(parents=True)
-        shutil.copy2(path, dest / path.name)
-        parts.append(render(result))
-        for png in sorted(path.parent.glob("*.png")):
-            shutil.copy2(png, dest / png.name)
-            parts.append(f"![{png.stem}]({assets.name}/{dest.name}/{png.name})")
-        data = f"{assets.name}/{dest.name}/{path.name}"
-        parts += ["", f"_Data: [`{data}`]({data})_", ""]
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text("\n".join(parts))
-    return out

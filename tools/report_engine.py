@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from dspark_server.bench.report_common import fmt, machine_line, table
+from dspark_server.bench.render import fmt, machine_line, table
 
 
 def _head(title: str, result: dict[str, Any]) -> list[str]:

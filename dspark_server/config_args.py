@@ -1,0 +1,180 @@
+"""Engine settings as command-line flags: each flag's default is read from the dataclasses in
+``config.py`` (never restated here), and ``engine_config_from_args`` turns parsed flags back into
+an ``EngineConfig``. Used by ``dspark`` and by the repository's tools/ scripts."""
+
+from __future__ import annotations
+
+import argparse
+from dataclasses import MISSING, dataclass, fields, replace
+from typing import Any, Literal, cast
+
+from dspark_server.config import SPEC_MODES, EngineConfig, SpecMode, SpeculativeConfig
+
+Speculation = Literal["all", "gamma", "none"]
+
+
+class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter, argparse.RawDescriptionHelpFormatter):
+    """Shows ``(default: X)`` after every flag whose help does not already say its default; flags
+    defaulting to nothing (None, off switches, empty lists) explain themselves in their help."""
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        text = action.help or ""
+        if action.default in (None, False, [], argparse.SUPPRESS) or "default" in text:
+            return text
+        return super()._get_help_string(action) or text
+
+
+def field_default(cls: type, name: str) -> Any:
+    """The default of dataclass field ``name`` (its factory's value for default_factory fields)."""
+    for f in fields(cls):
+        if f.name == name:
+            if f.default is not MISSING:
+                return f.default
+            if f.default_factory is not MISSING:
+                return f.default_factory()
+            raise ValueError(f"{cls.__name__}.{name} has no default")
+    raise KeyError(f"{cls.__name__} has no field {name}")
+
+
+@dataclass(frozen=True)
+class _Flag:
+    flag: str
+    owner: type  # EngineConfig or SpeculativeConfig
+    field: str
+    type: type
+    help: str
+
+
+_CAPACITY = (
+    _Flag("--max-model-len", EngineConfig, "max_model_len", int, "longest prompt + completion, in tokens"),
+    _Flag("--max-running", EngineConfig, "max_running", int, "requests decoded together"),
+    _Flag(
+        "--max-queued", EngineConfig, "max_queued", int, "requests waiting beyond --max-running (then 429)"
+    ),
+    _Flag(
+        "--max-batch-tokens",
+        EngineConfig,
+        "max_batch_tokens",
+        int,
+        "token budget of one engine step (prefill chunks + decodes + drafts verified)",
+    ),
+    _Flag(
+        "--prefill-chunk", EngineConfig, "prefill_chunk", int, "longest prefill piece per request and step"
+    ),
+    _Flag("--page-size", EngineConfig, "page_size", int, "KV cache slots per page"),
+    _Flag(
+        "--num-pages",
+        EngineConfig,
+        "num_pages",
+        int,
+        "KV cache pages (default: enough for half of --max-running at --max-model-len)",
+    ),
+)
+_SPEC = (
+    _Flag("--threshold", SpeculativeConfig, "threshold", float, "threshold mode: survival cut-off"),
+    _Flag(
+        "--profile",
+        SpeculativeConfig,
+        "profile_path",
+        str,
+        "SPS cost table JSON (default: a profiles/ match)",
+    ),
+    _Flag(
+        "--calibration",
+        SpeculativeConfig,
+        "calibration_path",
+        str,
+        "STS calibration JSON for sampled requests (default: the drafter's sts_calibration.json)",
+    ),
+    _Flag(
+        "--greedy-calibration",
+        SpeculativeConfig,
+        "greedy_calibration_path",
+        str,
+        "STS calibration JSON for temperature-0 requests (default: the drafter's "
+        "sts_calibration_greedy.json, else --calibration)",
+    ),
+)
+
+
+def add_engine_args(
+    parser: argparse.ArgumentParser, speculation: Speculation = "all", serving: bool = True
+) -> None:
+    """The native engine's flags. ``speculation``: ``all`` the speculation flags, ``gamma`` only
+    --draft and --gamma (commands that force their own mode: profile, calibrate, eval), ``none``
+    neither. ``serving=False`` leaves out --max-queued (admission control of a server)."""
+    g = parser.add_argument_group("model")
+    g.add_argument("--model", default=None, help="target model directory (default: bundled demo target)")
+    if speculation != "none":
+        g.add_argument("--draft", default=None, help="DSpark drafter directory (default: bundled demo)")
+    g.add_argument(
+        "--dtype",
+        default=None,
+        help=f"weights dtype (default: {field_default(EngineConfig, 'dtype')} native, auto sglang)",
+    )
+    g.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's)")
+    if speculation != "none":
+        s = parser.add_argument_group("speculation")
+        if speculation == "all":
+            s.add_argument(
+                "--spec-mode",
+                choices=SPEC_MODES,
+                default=None,
+                help="off | fixed | threshold | dspark (default: dspark with a drafter, off without)",
+            )
+        s.add_argument("--gamma", type=int, default=None, help="draft block size (default: the drafter's)")
+        if speculation == "all":
+            for f in _SPEC:
+                s.add_argument(f.flag, type=f.type, default=field_default(f.owner, f.field), help=f.help)
+            s.add_argument(
+                "--no-draft-gate",
+                action="store_true",
+                help="dspark mode: always draft, even at loads where plain steps measure faster",
+            )
+            s.add_argument(
+                "--sps-only-cost",
+                action="store_true",
+                help="dspark mode: price a step by SPS(B) alone (the paper's cost model), leaving "
+                "out the measured draft and bookkeeping time",
+            )
+    c = parser.add_argument_group("capacity")
+    for f in _CAPACITY:
+        if f.flag == "--max-queued" and not serving:
+            continue
+        c.add_argument(f.flag, type=f.type, default=field_default(f.owner, f.field), help=f.help)
+
+
+def _arg(ns: argparse.Namespace, f: _Flag) -> Any:
+    return getattr(ns, f.field if f.owner is EngineConfig else f.flag[2:].replace("-", "_"), None)
+
+
+def engine_config_from_args(
+    ns: argparse.Namespace, spec_mode: str | None = None, variant: str | None = None
+) -> EngineConfig:
+    """An ``EngineConfig`` from flags ``add_engine_args`` added (absent flags keep the dataclass
+    defaults). ``spec_mode`` overrides --spec-mode; ``variant`` picks a bundled demo drafter.
+    Raises ValueError when a speculative mode has no drafter."""
+    from dspark_server.assets import default_draft, default_target
+
+    model = getattr(ns, "model", None)
+    draft = getattr(ns, "draft", None) or (default_draft(variant) if model is None else None)
+    mode = spec_mode or getattr(ns, "spec_mode", None) or ("dspark" if draft else "off")
+    if mode not in SPEC_MODES:
+        raise ValueError(f"spec mode must be one of {SPEC_MODES}, got {mode!r}")
+    if mode != "off" and not draft:
+        raise ValueError(f"--spec-mode {mode} needs a drafter (--draft DIR)")
+    spec = replace(
+        SpeculativeConfig(mode=cast(SpecMode, mode), gamma=getattr(ns, "gamma", None)),
+        draft_gate=not getattr(ns, "no_draft_gate", False),
+        price_step_overhead=not getattr(ns, "sps_only_cost", False),
+        **{f.field: v for f in _SPEC if (v := _arg(ns, f)) is not None},
+    )
+    capacity = {f.field: v for f in _CAPACITY if (v := _arg(ns, f)) is not None}
+    return EngineConfig(
+        model_dir=model or default_target(),
+        draft_dir=draft if mode != "off" else None,
+        dtype=getattr(ns, "dtype", None) or field_default(EngineConfig, "dtype"),
+        num_threads=getattr(ns, "threads", None),
+        spec=spec,
+        **capacity,
+    )
