@@ -107,20 +107,23 @@ def make_engine(target: Path, draft: Path, mode: str, max_running: int = 64, **s
 
 
 MIXED = [SamplingParams(temperature=t, top_k=k, max_tokens=12) for t, k in [(0, 0), (1.0, 0), (0.7, 4)] * 4]
+GREEDY = [SamplingParams(temperature=0, max_tokens=12)] * 6  # the all-greedy drafting path
 
 
+@pytest.mark.parametrize("batch", ["mixed", "greedy"])
 @pytest.mark.parametrize("position", range(1, GAMMA))
 def test_confidence_of_position_k_reads_x_k_minus_1_and_the_backbone_only(
-    pair: tuple[Path, Path], force_draft: Callable[[int, int], None], position: int
+    pair: tuple[Path, Path], force_draft: Callable[[int, int], None], position: int, batch: str
 ) -> None:
+    params = MIXED if batch == "mixed" else GREEDY
     runs = []
     for token in (CONFIDENT, DOUBTFUL):
         force_draft(position, token)
-        runs.append(first_rounds(make_engine(*pair, "fixed"), MIXED))
+        runs.append(first_rounds(make_engine(*pair, "fixed"), params))
     for i, ((conf_a, _), (conf_b, _)) in enumerate(zip(*runs, strict=True)):
         up_to_k = conf_a[:position] - conf_b[:position]
         assert torch.equal(conf_a[:position], conf_b[:position]), (
-            f"request {i} ({MIXED[i]}): the confidence of positions 1..{position} changed with the "
+            f"request {i} ({params[i]}): the confidence of positions 1..{position} changed with the "
             f"token drafted at position {position} (differences {up_to_k.tolist()})"
         )
         gap = float(conf_a[position] - conf_b[position])
@@ -129,6 +132,46 @@ def test_confidence_of_position_k_reads_x_k_minus_1_and_the_backbone_only(
             f"request {i}: the confidence of position {position + 1} does not follow x_{position} "
             f"(gap {gap:.2f}, the head's weights give {expected:.2f})"
         )
+
+
+@pytest.fixture(scope="module")
+def steep_profile(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """SPS(B) = 1 / (2 + B): at R = 1 the planner admits a draft only when its survival beats
+    τ / (2 + B), so with the mimic drafter's confidences some rounds verify 0, 1, 2 or 3 drafts."""
+    path = tmp_path_factory.mktemp("steep") / "sps.json"
+    probes = tuple(range(1, 9))
+    save_sps_table(SpsCostTable(probes, tuple(1.0 / (2 + b) for b in probes), probes[-1]), path)
+    return path
+
+
+@pytest.mark.parametrize("mode", ["threshold", "dspark"])
+@pytest.mark.parametrize("position", range(1, GAMMA + 1))
+def test_planner_admission_of_a_position_never_depends_on_its_own_token(
+    pair: tuple[Path, Path],
+    force_draft: Callable[[int, int], None],
+    steep_profile: Path,
+    mode: str,
+    position: int,
+) -> None:
+    # dspark plans all requests together, and another request's x_k may legitimately move this
+    # one's admission (its candidates rank among them); one request at a time isolates the rule.
+    spec: dict[str, object] = (
+        {"threshold": 0.5} if mode == "threshold" else {"profile_path": str(steep_profile)}
+    )
+    lens = []
+    for token in (CONFIDENT, DOUBTFUL):
+        force_draft(position, token)
+        engine = make_engine(*pair, mode, max_running=64 if mode == "threshold" else 1, **spec)
+        lens.append([ell for _, ell in first_rounds(engine, MIXED)])
+    for i, (a, b) in enumerate(zip(*lens, strict=True)):
+        assert (a >= position) == (b >= position), (
+            f"request {i} ({MIXED[i]}): position {position} was verified with one drafted token "
+            f"there and not with another (ℓ = {a} vs {b})"
+        )
+    later = [(a, b) for a, b in zip(*lens, strict=True) if a != b]
+    if position < GAMMA:  # the confidences after x_k do follow it: later positions may differ
+        assert later or mode == "dspark", f"no plan changed with x_{position}: {lens}"
+    assert len(set(lens[0])) > 1, f"the plans do not vary, the test shows nothing: {lens[0]}"
 
 
 def _logit(p: float) -> float:

@@ -165,5 +165,7 @@ def test_joint_distribution_with_draft_gate_and_measured_costs_live(
     engine = make_engine(*pair, "dspark", sps_profile, live=True)
     outputs = sample_outputs(engine)
     check_against_exact(outputs, exact, "dspark+gate")
-    gate = engine.stats
-    assert gate.spec_accepted_tokens > 0
+    # The gate chose both ways at some loads, and the planner verified drafts on drafting steps.
+    choices = {choice for _, choice in engine.stats.spec_steps_by_choice}
+    assert {"plain", "drafts"} <= choices, engine.stats.spec_steps_by_choice
+    assert engine.stats.spec_accepted_tokens > 0

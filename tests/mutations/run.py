@@ -6,7 +6,7 @@ tests against the copy (PYTHONPATH puts it first) and require pytest to report t
 (exit status 1; a collection or usage error is not a detection). Prints, per mutation, the tests
 that failed and the p-values their messages give. Exit status 0 only if every mutation is caught.
 
-    python tests/mutations/run.py [--only NAME ...] [--baseline]
+    python tests/mutations/run.py [--only NAME ...] [--baseline] [--jobs N]
 
 ``--baseline`` first runs every listed test unmutated (they must pass): CI's pytest run already
 does, so the gate skips it there.
@@ -22,6 +22,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -82,7 +83,8 @@ def run_tests(tests: tuple[str, ...], package_root: Path) -> tuple[int, str, flo
     return proc.returncode, proc.stdout + proc.stderr, time.perf_counter() - t0
 
 
-def check(mutation: Mutation, source: Path, scratch_root: Path) -> Verdict:
+def prepare(mutation: Mutation, source: Path, scratch_root: Path) -> Path:
+    """A scratch copy of the package with the mutation's edits applied."""
     scratch = scratch_root / mutation.name
     shutil.copytree(
         source / PACKAGE, scratch / PACKAGE, ignore=shutil.ignore_patterns("__pycache__", "*.pyc")
@@ -90,10 +92,26 @@ def check(mutation: Mutation, source: Path, scratch_root: Path) -> Verdict:
     for edit in mutation.edits:
         path = apply_edit(scratch, edit, mutation.name)
         compile(path.read_text(), str(path), "exec")  # a mutation that does not parse detects nothing
+    return scratch
+
+
+def evaluate(mutation: Mutation, scratch: Path) -> Verdict:
     rc, out, seconds = run_tests(mutation.tests, scratch)
     failed = sorted({m.group(1) for m in re.finditer(r"^FAILED (\S+)", out, re.M)})
     messages = [m.group(1)[:400] for m in FAILURE_LINE.finditer(out)]
     return Verdict(mutation, rc == 1 and bool(failed), failed, messages, seconds, out[-3000:])
+
+
+def report(verdict: Verdict) -> None:
+    status = "caught" if verdict.caught else "SURVIVED"
+    print(f"{status:9} {verdict.mutation.name:32} {verdict.seconds:4.0f} s  {verdict.mutation.description}")
+    for test in verdict.failed:
+        print(f"          red: {test}")
+    for message in verdict.messages:
+        print(f"          | {message}")
+    if not verdict.caught:
+        print(verdict.tail)
+    sys.stdout.flush()
 
 
 def main() -> int:
@@ -102,6 +120,7 @@ def main() -> int:
     )
     parser.add_argument("--only", nargs="*", help="mutation names to run (default: all)")
     parser.add_argument("--baseline", action="store_true", help="first run the listed tests unmutated")
+    parser.add_argument("--jobs", type=int, default=2, help="mutations tested at once (default 2)")
     parser.add_argument(
         "--source", type=Path, default=ROOT, help=f"directory holding the {PACKAGE} to mutate"
     )
@@ -120,23 +139,17 @@ def main() -> int:
             print("mutation gate: the unmutated tests fail; fix them first", file=sys.stderr)
             return 1
     started = time.perf_counter()
-    verdicts: list[Verdict] = []
     with tempfile.TemporaryDirectory(prefix="mutations-") as tmp:
-        for mutation in chosen:
-            try:
-                verdict = check(mutation, args.source, Path(tmp))
-            except GateError as exc:
-                print(f"mutation gate: {exc}", file=sys.stderr)
-                return 1
-            verdicts.append(verdict)
-            status = "caught" if verdict.caught else "SURVIVED"
-            print(f"{status:9} {mutation.name:34} {verdict.seconds:5.0f} s  {mutation.description}")
-            for test in verdict.failed:
-                print(f"          red: {test}")
-            for message in verdict.messages:
-                print(f"          | {message}")
-            if not verdict.caught:
-                print(verdict.tail)
+        try:  # every edit applies before any test runs: a stale table fails at once
+            scratches = [prepare(m, args.source, Path(tmp)) for m in chosen]
+        except GateError as exc:
+            print(f"mutation gate: {exc}", file=sys.stderr)
+            return 1
+        with ThreadPoolExecutor(max_workers=args.jobs) as pool:
+            verdicts = []
+            for verdict in pool.map(evaluate, chosen, scratches):
+                report(verdict)
+                verdicts.append(verdict)
     survivors = [v.mutation.name for v in verdicts if not v.caught]
     total = time.perf_counter() - started
     if survivors:
