@@ -11,8 +11,14 @@ from test_drafter import data, make_drafter, make_target
 
 from dspark_server.engine.batch import SeqChunk, pack
 from dspark_server.engine.kv_cache import PageAllocator, PageTable
-from dspark_server.models import paged_kernel
-from dspark_server.models.attention import KVPool, block_attention, merge_attention, paged_attend
+from dspark_server.models import attention, paged_kernel
+from dspark_server.models.attention import (
+    KVPool,
+    block_attention,
+    merge_attention,
+    paged_attend,
+    resolve_impl,
+)
 from dspark_server.models.drafter import DraftContext
 from dspark_server.models.paged_layout import PagedLayout
 
@@ -183,13 +189,43 @@ def test_unknown_impl_is_rejected(monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 @needs_kernel
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_portable_kernel_without_avx512(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, dtype: torch.dtype
+) -> None:
+    """The kernel's plain-C++ loops (what a CPU without AVX-512 runs) against the reference."""
+    monkeypatch.setenv("DSPARK_KERNEL_CACHE", str(tmp_path))
+    lib = paged_kernel.open_kernel(paged_kernel.build("g++", ("-mno-avx512f",)))
+    for hq, hkv, d in [(4, 2, 64), (8, 2, 16)]:
+        q, kc, vc, layout = ragged_batch(hq, hkv, d, dtype)
+        out, lse = paged_kernel.kernel_attention(lib, q, kc, vc, layout, want_lse=True)
+        ref, ref_lse = reference(q, kc, vc, layout)
+        assert lse is not None
+        torch.testing.assert_close(out.double(), ref.to(dtype).double(), atol=TOL[dtype], rtol=TOL[dtype])
+        torch.testing.assert_close(lse.double(), ref_lse, atol=TOL[dtype], rtol=TOL[dtype])
+
+
+def test_auto_resolves_to_gather_without_kernel(monkeypatch: pytest.MonkeyPatch) -> None:
+    cache = torch.zeros(8, 2, 64)
+    if KERNEL is not None:
+        assert resolve_impl("auto", torch.float32, cache, 4) == "kernel"
+    assert resolve_impl("auto", torch.float64, cache.double(), 4) == "gather"
+    assert resolve_impl("torch", torch.float32, cache, 4) == "torch"
+    monkeypatch.setattr(attention, "load_kernel", lambda: None)
+    assert resolve_impl("auto", torch.float32, cache, 4) == "gather"
+    q, kc, vc, layout = ragged_batch(4, 2, 64, torch.float32)
+    with pytest.raises(RuntimeError, match="could not be built"):
+        paged_attend(q, kc, vc, layout, "kernel")
+
+
+@needs_kernel
 def test_kernel_build_is_cached(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     import shutil
 
     monkeypatch.setenv("DSPARK_KERNEL_CACHE", str(tmp_path))
     compiler = shutil.which("g++")
     assert compiler is not None
-    first = paged_kernel._build(compiler)
+    first = paged_kernel.build(compiler)
     stamp = first.stat().st_mtime_ns
-    assert first.parent == tmp_path and paged_kernel._build(compiler) == first
+    assert first.parent == tmp_path and paged_kernel.build(compiler) == first
     assert first.stat().st_mtime_ns == stamp and list(tmp_path.iterdir()) == [first]

@@ -4,11 +4,13 @@ A model layer computes q, k, v for the T tokens of a packed batch and hands them
 The backend decides where keys live (a paged KV pool for serving, nothing for dense training)
 and which keys each query may see. Backends are tensors only: they know nothing of requests.
 
-Serving reads the pool in place (``paged_attend``): the C++ kernel of ``paged_kernel`` where it
-builds and supports the dtype / head size, else the blockwise PyTorch path of ``paged_torch``.
-A pool's ``impl`` chooses: "auto" (kernel, else PyTorch), "kernel" (fail if it cannot build),
-"torch", or "gather" (the old copy-every-history path of ``attention_gather``). The default comes
-from ``$DSPARK_ATTENTION`` (else "auto").
+Serving reads the pool in place: ``paged_attend`` runs the C++ kernel of ``paged_kernel`` (float32
+and bfloat16, common head sizes) or the blockwise PyTorch path of ``paged_torch``. A pool's
+``impl`` chooses: "kernel" (fail if it cannot be built; the PyTorch path for what it does not
+support), "torch", "gather" (the old copy-every-history path of ``attention_gather``), or "auto":
+the kernel where it runs, else "gather" (measured faster than the blockwise PyTorch path on a
+shared 2-core machine, benchmarks/attention_speed.py). The default is ``$DSPARK_ATTENTION``, else
+"auto".
 """
 
 from __future__ import annotations
@@ -67,6 +69,15 @@ class KVPool:
     @property
     def num_slots(self) -> int:
         return self.k.shape[1]
+
+
+def resolve_impl(impl: str, q_dtype: torch.dtype, cache: torch.Tensor, num_heads: int) -> str:
+    """The path a pool's ``impl`` takes for queries of this dtype / head count: "gather" or the
+    impl ``paged_attend`` runs ("auto" becomes "kernel" where the kernel runs, else "gather")."""
+    if impl != "auto":
+        return impl
+    probe = torch.empty(0, num_heads, cache.shape[-1], dtype=q_dtype)
+    return "kernel" if load_kernel() is not None and kernel_supports(probe, cache) else "gather"
 
 
 def paged_attend(
@@ -137,9 +148,10 @@ class PagedAttention:
         k_cache, v_cache = self.pool.k[layer], self.pool.v[layer]
         k_cache.index_copy_(0, self.slot_mapping, k.to(k_cache.dtype))
         v_cache.index_copy_(0, self.slot_mapping, v.to(v_cache.dtype))
-        if self.pool.impl == "gather":
+        impl = resolve_impl(self.pool.impl, q.dtype, k_cache, q.shape[1])
+        if impl == "gather":
             return gather_attend(self.groups, q, k_cache, v_cache)
-        return paged_attend(q, k_cache, v_cache, self.layout, self.pool.impl)[0]
+        return paged_attend(q, k_cache, v_cache, self.layout, impl)[0]
 
 
 @dataclass(frozen=True)

@@ -24,7 +24,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.nn.utils.rnn import pad_sequence
 
-from dspark_server.models.attention import KVPool
+from dspark_server.models.attention import KVPool, resolve_impl
 from dspark_server.models.drafter_attention import Attend, gather_attends, paged_block_attend
 from dspark_server.models.drafter_config import DraftConfig
 from dspark_server.models.drafter_heads import build_confidence_head, build_markov_head
@@ -206,7 +206,7 @@ class DSparkDrafter(nn.Module):
         x = self.embed(ids.reshape(-1))
         cos, sin = self.rotary_emb.cos_sin(pos, x.dtype)
         hq, hkv, d = self.config.num_attention_heads, self.config.num_key_value_heads, self.config.head_dim
-        if pool.impl == "gather":
+        if resolve_impl(pool.impl, x.dtype, pool.k[0], hq) == "gather":
             attends = gather_attends(pool, ctx.slots, ctx.lens, r, g, (hq, hkv, d), len(self.layers))
         else:
             layout = PagedLayout.blocks(ctx.slots, ctx.lens, g)

@@ -49,10 +49,12 @@ def _cache_dir() -> Path:
     return Path(os.environ.get("DSPARK_KERNEL_CACHE", Path.home() / ".cache" / "dspark_server" / "kernels"))
 
 
-def _build(compiler: str) -> Path:
+def build(compiler: str, extra_flags: tuple[str, ...] = ()) -> Path:
+    """The cached shared object for this source, flags, compiler and CPU (compiled if missing)."""
+    flags = (*FLAGS, *extra_flags)
     src = SOURCE.read_bytes()
     version = subprocess.run([compiler, "--version"], capture_output=True, text=True, check=True).stdout
-    key = hashlib.sha256(b"\0".join([src, " ".join(FLAGS).encode(), version.encode(), _cpu_id().encode()]))
+    key = hashlib.sha256(b"\0".join([src, " ".join(flags).encode(), version.encode(), _cpu_id().encode()]))
     out = _cache_dir() / f"paged_attention_{key.hexdigest()[:16]}.so"
     if out.is_file():
         return out
@@ -60,7 +62,7 @@ def _build(compiler: str) -> Path:
     fd, tmp = tempfile.mkstemp(suffix=".so", dir=out.parent)
     os.close(fd)
     try:
-        subprocess.run([compiler, *FLAGS, str(SOURCE), "-o", tmp], capture_output=True, text=True, check=True)
+        subprocess.run([compiler, *flags, str(SOURCE), "-o", tmp], capture_output=True, text=True, check=True)
         os.replace(tmp, out)
     finally:
         if os.path.exists(tmp):
@@ -78,11 +80,15 @@ def load_kernel() -> ctypes.CDLL | None:
         log.warning("no C++ compiler found: paged attention uses the PyTorch path")
         return None
     try:
-        lib = ctypes.CDLL(str(_build(compiler)))
+        return open_kernel(build(compiler))
     except (OSError, subprocess.CalledProcessError) as exc:
         detail = getattr(exc, "stderr", "") or exc
         log.warning("paged attention kernel unavailable (%s): using the PyTorch path", detail)
         return None
+
+
+def open_kernel(path: Path) -> ctypes.CDLL:
+    lib = ctypes.CDLL(str(path))
     fn = lib.dspark_paged_attention
     fn.restype = ctypes.c_int
     fn.argtypes = [

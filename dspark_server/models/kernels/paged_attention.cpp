@@ -13,11 +13,15 @@
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
+#ifdef __AVX512F__
+#include <immintrin.h>
+extern "C" __m512 _ZGVeN16v_expf(__m512);  // glibc libmvec's 16-lane expf
+#endif
 
 namespace {
 
 constexpr int64_t kTile = 16;   // query rows per work item
-constexpr int64_t kBlock = 32;  // keys per online-softmax update
+constexpr int64_t kBlock = 16;  // keys per online-softmax update (one AVX-512 vector of scores)
 constexpr float kNegBig = -1e30f;
 
 inline float load(const float* p, int64_t i) { return p[i]; }
@@ -39,11 +43,25 @@ inline void store(uint16_t* p, int64_t i, float x) {  // round to nearest even, 
   p[i] = static_cast<uint16_t>(bits >> 16);
 }
 
-// Rows [k_lo, k_hi) of one kv head, as float32 (a pointer into the pool for float32).
+// One work item's state: the scaled queries, running max / sum and output accumulators of its
+// nv = rows x (query heads per kv head) query vectors, row-major (row, head of the group).
+struct Item {
+  int64_t nv;
+  float* q;    // [nv, D], already multiplied by the softmax scale
+  float* acc;  // [nv, D]
+  float* m;    // [nv]
+  float* l;    // [nv]
+  int64_t* lim;  // [nv] visible keys
+  float* p;    // [nv, kBlock] probabilities of the current key block
+};
+
+// Key / value rows of one kv head for key positions kb .. kb + n, as float32 row pointers (into
+// the pool for float32, into converted buffers for bfloat16); rows n .. kBlock point at zeros.
 template <typename T, int64_t D>
 struct KeyBlock {
-  float k[kBlock * D];
-  float v[kBlock * D];
+  alignas(64) float k[kBlock * D];
+  alignas(64) float v[kBlock * D];
+  alignas(64) float zeros[D] = {};
   const float* kp[kBlock];
   const float* vp[kBlock];
   void fill(const T* kc, const T* vc, const int64_t* slots, int64_t n, int64_t hkv, int64_t h) {
@@ -61,20 +79,167 @@ struct KeyBlock {
         vp[j] = v + j * D;
       }
     }
+    for (int64_t j = n; j < kBlock; ++j) kp[j] = vp[j] = zeros;
   }
 };
+
+// Online-softmax update of query vector qv with this block's raw scores s[0 .. kBlock) of which
+// the first nvis are visible: rescales its accumulator, leaves probabilities in it.p[qv].
+template <int64_t D>
+inline void softmax_update(Item& it, int64_t qv, float* s, int64_t nvis) {
+  float* p = it.p + qv * kBlock;
+  float bmax = kNegBig;
+  for (int64_t j = 0; j < nvis; ++j) bmax = s[j] > bmax ? s[j] : bmax;
+  for (int64_t j = nvis; j < kBlock; ++j) s[j] = kNegBig;
+  if (bmax > it.m[qv]) {
+    const float alpha = expf(it.m[qv] - bmax);
+    it.l[qv] *= alpha;
+    float* a = it.acc + qv * D;
+#pragma omp simd
+    for (int64_t d = 0; d < D; ++d) a[d] *= alpha;
+    it.m[qv] = bmax;
+  }
+  const float mx = it.m[qv];
+  float lsum = 0.f;
+#pragma omp simd reduction(+ : lsum)
+  for (int64_t j = 0; j < kBlock; ++j) {
+    p[j] = expf(s[j] - mx);
+    lsum += p[j];
+  }
+  it.l[qv] += lsum;
+}
+
+#ifdef __AVX512F__
+// s[j] = sum over lanes of t[j], for 16 vectors (a transpose-and-add tree, 45 instructions).
+inline __m512 hsum16(const __m512* t) {
+  __m512 x[8], y[4];
+  for (int i = 0; i < 8; ++i)
+    x[i] = _mm512_add_ps(_mm512_unpacklo_ps(t[2 * i], t[2 * i + 1]), _mm512_unpackhi_ps(t[2 * i], t[2 * i + 1]));
+  for (int i = 0; i < 4; ++i) {
+    const __m512d a = _mm512_castps_pd(x[2 * i]), b = _mm512_castps_pd(x[2 * i + 1]);
+    y[i] = _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(a, b)), _mm512_castpd_ps(_mm512_unpackhi_pd(a, b)));
+  }
+  const __m512 w01 = _mm512_add_ps(_mm512_shuffle_f32x4(y[0], y[1], 0x88), _mm512_shuffle_f32x4(y[0], y[1], 0xdd));
+  const __m512 w23 = _mm512_add_ps(_mm512_shuffle_f32x4(y[2], y[3], 0x88), _mm512_shuffle_f32x4(y[2], y[3], 0xdd));
+  return _mm512_add_ps(_mm512_shuffle_f32x4(w01, w23, 0x88), _mm512_shuffle_f32x4(w01, w23, 0xdd));
+}
+
+template <int64_t D>
+inline void scores(const float* q, const float* const* kp, float* s) {
+  constexpr int64_t C = D / 16;
+  __m512 qc[C], t[kBlock];
+  for (int64_t c = 0; c < C; ++c) qc[c] = _mm512_loadu_ps(q + 16 * c);
+  for (int64_t j = 0; j < kBlock; ++j) {
+    __m512 a = _mm512_mul_ps(qc[0], _mm512_loadu_ps(kp[j]));
+    for (int64_t c = 1; c < C; ++c) a = _mm512_fmadd_ps(qc[c], _mm512_loadu_ps(kp[j] + 16 * c), a);
+    t[j] = a;
+  }
+  _mm512_storeu_ps(s, hsum16(t));
+}
+
+// softmax_update for the AVX-512 path: the block's scores in one vector, libmvec's vector expf.
+template <int64_t D>
+inline void softmax_update_avx512(Item& it, int64_t qv, const float* s, int64_t nvis) {
+  const __mmask16 vis = static_cast<__mmask16>((1u << nvis) - 1u);
+  const __m512 sv = _mm512_mask_loadu_ps(_mm512_set1_ps(kNegBig), vis, s);
+  const float bmax = _mm512_reduce_max_ps(sv);
+  if (bmax > it.m[qv]) {
+    const __m512 alpha = _mm512_set1_ps(expf(it.m[qv] - bmax));
+    it.l[qv] *= _mm512_cvtss_f32(alpha);
+    float* a = it.acc + qv * D;
+    for (int64_t c = 0; c < D / 16; ++c) _mm512_storeu_ps(a + 16 * c, _mm512_mul_ps(alpha, _mm512_loadu_ps(a + 16 * c)));
+    it.m[qv] = bmax;
+  }
+  const __m512 p = _ZGVeN16v_expf(_mm512_sub_ps(sv, _mm512_set1_ps(it.m[qv])));
+  _mm512_storeu_ps(it.p + qv * kBlock, p);
+  it.l[qv] += _mm512_reduce_add_ps(p);
+}
+
+// acc[qv0 + u] += sum_j p[qv0 + u][j] * v[j] for U query vectors, accumulators in registers.
+template <int64_t D, int U>
+inline void pv(Item& it, int64_t qv0, const float* const* vp, int64_t n) {
+  constexpr int64_t C = D / 16;
+  __m512 a[U][C];
+  for (int u = 0; u < U; ++u)
+    for (int64_t c = 0; c < C; ++c) a[u][c] = _mm512_loadu_ps(it.acc + (qv0 + u) * D + 16 * c);
+  for (int64_t j = 0; j < n; ++j) {
+    __m512 vc[C];
+    for (int64_t c = 0; c < C; ++c) vc[c] = _mm512_loadu_ps(vp[j] + 16 * c);
+    for (int u = 0; u < U; ++u) {
+      const __m512 pu = _mm512_set1_ps(it.p[(qv0 + u) * kBlock + j]);
+      for (int64_t c = 0; c < C; ++c) a[u][c] = _mm512_fmadd_ps(pu, vc[c], a[u][c]);
+    }
+  }
+  for (int u = 0; u < U; ++u)
+    for (int64_t c = 0; c < C; ++c) _mm512_storeu_ps(it.acc + (qv0 + u) * D + 16 * c, a[u][c]);
+}
+#endif
+
+template <typename T, int64_t D>
+void key_loop(Item& it, const T* kc, const T* vc, const int64_t* slots, int64_t kend, int64_t hkv, int64_t h) {
+  KeyBlock<T, D> blk;
+  alignas(64) float s[kBlock];
+  for (int64_t kb = 0; kb < kend; kb += kBlock) {
+    const int64_t n = kend - kb < kBlock ? kend - kb : kBlock;
+    blk.fill(kc, vc, slots + kb, n, hkv, h);
+    for (int64_t qv = 0; qv < it.nv; ++qv) {
+      int64_t nvis = it.lim[qv] - kb;
+      nvis = nvis < 0 ? 0 : (nvis > n ? n : nvis);
+      if (nvis == 0) {  // nothing visible in this block (a causal row of a prefill tile)
+        for (int64_t j = 0; j < kBlock; ++j) it.p[qv * kBlock + j] = 0.f;
+        continue;
+      }
+#ifdef __AVX512F__
+      if constexpr (D % 16 == 0) {
+        scores<D>(it.q + qv * D, blk.kp, s);
+        softmax_update_avx512<D>(it, qv, s, nvis);
+        continue;
+      }
+#endif
+      const float* qq = it.q + qv * D;
+      for (int64_t j = 0; j < kBlock; ++j) {
+        float dot = 0.f;
+#pragma omp simd reduction(+ : dot)
+        for (int64_t d = 0; d < D; ++d) dot += qq[d] * blk.kp[j][d];
+        s[j] = dot;
+      }
+      softmax_update<D>(it, qv, s, nvis);
+    }
+#ifdef __AVX512F__
+    if constexpr (D % 16 == 0) {
+      constexpr int U = D <= 64 ? 4 : 2;
+      int64_t qv = 0;
+      for (; qv + U <= it.nv; qv += U) pv<D, U>(it, qv, blk.vp, n);
+      for (; qv < it.nv; ++qv) pv<D, 1>(it, qv, blk.vp, n);
+      continue;
+    }
+#endif
+    for (int64_t qv = 0; qv < it.nv; ++qv) {
+      float* a = it.acc + qv * D;
+      for (int64_t j = 0; j < n; ++j) {
+        const float pj = it.p[qv * kBlock + j];
+        const float* vv = blk.vp[j];
+#pragma omp simd
+        for (int64_t d = 0; d < D; ++d) a[d] += pj * vv[d];
+      }
+    }
+  }
+}
 
 template <typename T, int64_t D>
 void work_item(const T* q, const T* kc, const T* vc, const int64_t* slots, const int64_t* kv_limit,
                int64_t row0, int64_t nrows, int64_t hq, int64_t hkv, int64_t h, float scale, T* out,
                float* lse) {
   const int64_t rep = hq / hkv;
-  const int64_t nv = nrows * rep;  // query vectors: (row, head of the group)
-  float* qs = static_cast<float*>(malloc(sizeof(float) * nv * D));
-  float* acc = static_cast<float*>(calloc(nv * D, sizeof(float)));
-  float* m = static_cast<float*>(malloc(sizeof(float) * nv));
-  float* l = static_cast<float*>(calloc(nv, sizeof(float)));
-  int64_t* lim = static_cast<int64_t*>(malloc(sizeof(int64_t) * nv));
+  Item it;
+  it.nv = nrows * rep;
+  float* buf = static_cast<float*>(calloc(it.nv * (2 * D + 2 + kBlock), sizeof(float)));
+  it.q = buf;
+  it.acc = it.q + it.nv * D;
+  it.m = it.acc + it.nv * D;
+  it.l = it.m + it.nv;
+  it.p = it.l + it.nv;
+  it.lim = static_cast<int64_t*>(malloc(sizeof(int64_t) * it.nv));
   int64_t kend = 0;
   for (int64_t i = 0; i < nrows; ++i) {
     const int64_t t = row0 + i;
@@ -83,69 +248,24 @@ void work_item(const T* q, const T* kc, const T* vc, const int64_t* slots, const
       const int64_t qv = i * rep + g;
       const T* src = q + (t * hq + h * rep + g) * D;
 #pragma omp simd
-      for (int64_t d = 0; d < D; ++d) qs[qv * D + d] = load(src, d) * scale;
-      m[qv] = kNegBig;
-      lim[qv] = kv_limit[t];
+      for (int64_t d = 0; d < D; ++d) it.q[qv * D + d] = load(src, d) * scale;
+      it.m[qv] = kNegBig;
+      it.lim[qv] = kv_limit[t];
     }
   }
-  KeyBlock<T, D> blk;
-  float s[kBlock];
-  for (int64_t kb = 0; kb < kend; kb += kBlock) {
-    const int64_t n = kend - kb < kBlock ? kend - kb : kBlock;
-    blk.fill(kc, vc, slots + kb, n, hkv, h);
-    for (int64_t qv = 0; qv < nv; ++qv) {
-      int64_t nvis = lim[qv] - kb;
-      if (nvis <= 0) continue;
-      if (nvis > n) nvis = n;
-      const float* qq = qs + qv * D;
-      float bmax = kNegBig;
-      for (int64_t j = 0; j < nvis; ++j) {
-        const float* kk = blk.kp[j];
-        float dot = 0.f;
-#pragma omp simd reduction(+ : dot)
-        for (int64_t d = 0; d < D; ++d) dot += qq[d] * kk[d];
-        s[j] = dot;
-        bmax = dot > bmax ? dot : bmax;
-      }
-      float* a = acc + qv * D;
-      if (bmax > m[qv]) {
-        const float alpha = expf(m[qv] - bmax);
-        l[qv] *= alpha;
-#pragma omp simd
-        for (int64_t d = 0; d < D; ++d) a[d] *= alpha;
-        m[qv] = bmax;
-      }
-      const float mx = m[qv];
-      float lsum = 0.f;
-#pragma omp simd reduction(+ : lsum)
-      for (int64_t j = 0; j < nvis; ++j) {
-        s[j] = expf(s[j] - mx);
-        lsum += s[j];
-      }
-      l[qv] += lsum;
-      for (int64_t j = 0; j < nvis; ++j) {
-        const float p = s[j];
-        const float* vv = blk.vp[j];
-#pragma omp simd
-        for (int64_t d = 0; d < D; ++d) a[d] += p * vv[d];
-      }
-    }
-  }
+  key_loop<T, D>(it, kc, vc, slots, kend, hkv, h);
   for (int64_t i = 0; i < nrows; ++i) {
     const int64_t t = row0 + i;
     for (int64_t g = 0; g < rep; ++g) {
       const int64_t qv = i * rep + g, head = h * rep + g;
-      const float inv = l[qv] > 0.f ? 1.f / l[qv] : 0.f;
+      const float inv = it.l[qv] > 0.f ? 1.f / it.l[qv] : 0.f;
       T* dst = out + (t * hq + head) * D;
-      for (int64_t d = 0; d < D; ++d) store(dst, d, acc[qv * D + d] * inv);
-      if (lse) lse[t * hq + head] = l[qv] > 0.f ? m[qv] + logf(l[qv]) : kNegBig;
+      for (int64_t d = 0; d < D; ++d) store(dst, d, it.acc[qv * D + d] * inv);
+      if (lse) lse[t * hq + head] = it.l[qv] > 0.f ? it.m[qv] + logf(it.l[qv]) : kNegBig;
     }
   }
-  free(qs);
-  free(acc);
-  free(m);
-  free(l);
-  free(lim);
+  free(buf);
+  free(it.lim);
 }
 
 template <typename T, int64_t D>
