@@ -9,8 +9,10 @@ import pytest
 import torch
 from test_drafter import data, make_drafter, make_target
 
+from dspark_server.config import EngineConfig
 from dspark_server.engine.batch import SeqChunk, pack
 from dspark_server.engine.kv_cache import PageAllocator, PageTable
+from dspark_server.engine.model_runner import ModelRunner
 from dspark_server.models import attention, paged_kernel
 from dspark_server.models.attention import (
     KVPool,
@@ -179,6 +181,23 @@ def test_drafter_backbone_equals_gather_path(impl: str) -> None:
         blocks.append(d.backbone(ids[0, a.clamp(max=23)], a, ctx, pool))
     torch.testing.assert_close(blocks[0].hidden, blocks[1].hidden, atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(blocks[0].logits, blocks[1].logits, atol=1e-4, rtol=1e-5)
+
+
+def test_engine_config_selects_the_impl(tiny_model: Path) -> None:
+    """EngineConfig.attention_impl reaches the runner's pool; every impl gives the same logits."""
+    logits = {}
+    for impl in ("gather", "torch", "auto"):
+        runner = ModelRunner(EngineConfig(model_dir=str(tiny_model), page_size=4, attention_impl=impl))
+        assert runner.pool.impl == impl
+        tables = [PageTable() for _ in range(3)]
+        chunks = [SeqChunk(t, 0, list(range(3, 3 + n))) for t, n in zip(tables, (5, 37, 2), strict=True)]
+        for c in chunks:
+            assert runner.allocator.reserve(c.table, len(c.token_ids) + 8)
+        first = runner.forward(chunks, [1, 1, 1]).output.logits
+        steps = [SeqChunk(t, t.length, [9] * n) for t, n in zip(tables, (1, 8, 4), strict=True)]
+        logits[impl] = torch.cat([first, runner.forward(steps, [1, 8, 4]).output.logits])
+    torch.testing.assert_close(logits["torch"], logits["gather"], atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(logits["auto"], logits["gather"], atol=1e-5, rtol=1e-5)
 
 
 def test_unknown_impl_is_rejected(monkeypatch: pytest.MonkeyPatch) -> None:
