@@ -598,6 +598,74 @@ SECTIONS: list[tuple[str, list[Panel]]] = [
         ],
     ),
     (
+        "Cost model",
+        [
+            (
+                "timeseries",
+                "Predicted vs measured step time",
+                "The DSpark cost model's price of each planned step (draft pass + bookkeeping + "
+                "verification forward) next to the measured step time; the ratio is measured / predicted.",
+                [
+                    q(
+                        ratio(
+                            "dspark_spec_plan_predicted_step_seconds_sum",
+                            "dspark_spec_plan_predicted_step_seconds_count",
+                        ),
+                        "{{instance}} predicted",
+                    ),
+                    q(
+                        ratio("dspark_engine_step_seconds_sum", "dspark_engine_step_seconds_count"),
+                        "{{instance}} measured",
+                    ),
+                    q(
+                        quantile(0.5, "dspark_spec_plan_step_time_ratio", "le, instance"),
+                        "{{instance}} ratio p50",
+                    ),
+                ],
+                "s",
+                8,
+                {},
+            ),
+            (
+                "timeseries",
+                "Verification budget chosen",
+                "Draft tokens admitted for verification per step (sum of l) and per request.",
+                [
+                    q(
+                        ratio(
+                            "dspark_spec_verify_tokens_per_step_sum",
+                            "dspark_spec_verify_tokens_per_step_count",
+                        ),
+                        "{{instance}} per step",
+                    ),
+                    q(
+                        f"max by (instance) (dspark_spec_verify_length_mean{{{S}}})",
+                        "{{instance}} per request",
+                    ),
+                ],
+                "none",
+                8,
+                {},
+            ),
+            (
+                "timeseries",
+                "Steps with no draft verified, by load",
+                "Share of speculative-mode steps at each load (decoding requests) that verified no draft: "
+                "nothing drafted (plain) or drafted and none admitted.",
+                [
+                    q(
+                        f'sum by (running) (rate(dspark_spec_steps_total{{{S}, choice!="drafts"}}[{RI}])) '
+                        f"/ sum by (running) (rate(dspark_spec_steps_total{{{S}}}[{RI}]))",
+                        "{{running}} requests",
+                    ),
+                ],
+                "percentunit",
+                8,
+                {},
+            ),
+        ],
+    ),
+    (
         "Engine",
         [
             (

@@ -124,6 +124,16 @@ def test_counters_equal_the_workload(server: LoggedServer) -> None:
     count, total = _hist_delta(after, before, "dspark_spec_verify_tokens_per_step")
     assert total == verified and 0 < count <= rounds
     assert _hist_delta(after, before, "dspark_spec_request_verify_length_mean")[0] == n
+    # cost model: one step count per step with decodes, by load and choice (one request at a
+    # time here: load "1", the gate is off so every step drafted); every step with a table is priced
+    drafted = _delta(after, before, "dspark_spec_steps_total", running="1", choice="drafts")
+    none = _delta(after, before, "dspark_spec_steps_total", running="1", choice="none")
+    assert drafted > 0 and drafted + none == count  # every step with decodes, once
+    assert _delta(after, before, "dspark_spec_steps_total", running="1", choice="plain") == 0
+    priced = _hist_delta(after, before, "dspark_spec_plan_predicted_step_seconds")
+    # at least the forward: SPS 50/s, which the live refresh may raise to at most twice that
+    assert priced[0] == count and priced[1] >= count / 100.0
+    assert _hist_delta(after, before, "dspark_spec_plan_step_time_ratio")[0] == count
     for name in (
         "dspark_time_to_first_token_seconds",
         "dspark_e2e_request_latency_seconds",

@@ -13,6 +13,8 @@ Observation names (the ``name`` passed to observers) and their units:
   request_generation_tokens, request_mean_verify_len     one per finished request
   acceptance_length                                      one per speculative round per request
   verify_tokens_per_step                                 one per step with speculative decodes
+  plan_predicted_step_seconds, plan_step_time_ratio      one per priced speculative step (the
+                                                         cost model's price; measured / price)
 """
 
 from __future__ import annotations
@@ -54,6 +56,11 @@ class EngineStats:
     last_mean_verify_len: float = 0.0
     last_step_seconds: float = 0.0
     started_at: float = field(default_factory=time.monotonic)
+    # Speculative steps by load (decoding requests, power-of-two bucket label) and choice: "plain"
+    # (nothing drafted at this load), "none" (drafted, the planner verified no draft), "drafts".
+    spec_steps_by_choice: dict[tuple[str, str], int] = field(default_factory=dict)
+    last_predicted_step_seconds: float = 0.0
+    last_measured_step_seconds: float = 0.0
     observers: list[Observer] = field(default_factory=list)
     _step_verify_tokens: int = 0
     _step_spec_requests: int = 0
@@ -72,6 +79,19 @@ class EngineStats:
             self.observe("verify_tokens_per_step", self._step_verify_tokens)
             self._step_verify_tokens = 0
             self._step_spec_requests = 0
+
+    def record_spec_step(
+        self, num_requests: int, choice: str, predicted_s: float | None, measured_s: float
+    ) -> None:
+        """One speculative step with decoding requests: what was chosen at this load and, when the
+        cost model priced it, its predicted and measured wall time."""
+        key = (load_bucket(num_requests), choice)
+        self.spec_steps_by_choice[key] = self.spec_steps_by_choice.get(key, 0) + 1
+        self.last_measured_step_seconds = measured_s
+        if predicted_s is not None and predicted_s > 0:
+            self.last_predicted_step_seconds = predicted_s
+            self.observe("plan_predicted_step_seconds", predicted_s)
+            self.observe("plan_step_time_ratio", measured_s / predicted_s)
 
     def record_batch(self, batch_tokens: int, forward_seconds: float) -> None:
         self.observe("batch_tokens", batch_tokens)
@@ -132,3 +152,9 @@ class EngineStats:
         for k in range(accepted):
             self.accepted_per_position[k] += 1
         self.observe("acceptance_length", emitted)
+
+
+def load_bucket(num_requests: int) -> str:
+    """Power-of-two bucket label of a load: "1", "2-3", "4-7", ..."""
+    lo = 1 << (max(1, num_requests).bit_length() - 1)
+    return str(lo) if lo == 1 else f"{lo}-{2 * lo - 1}"

@@ -15,6 +15,7 @@ of x0..x_acc, and truncates the rest, which restores both invariants for the new
 
 from __future__ import annotations
 
+import math
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -64,6 +65,7 @@ class SpecStepResult:
     drafted: bool
     draft_seconds: float
     prefill_tokens: int
+    predicted_seconds: float | None = None  # the cost model's price of this step (dspark mode)
 
 
 @dataclass(frozen=True)
@@ -71,6 +73,7 @@ class _Plan:
     lens: list[int]
     confidences: torch.Tensor | None  # [R, γ] calibrated, as the planner saw them
     survival: torch.Tensor | None
+    predicted_seconds: float | None = None  # τ / Θ of the chosen plan, when priced by a table
 
 
 class SpeculativeDecoder:
@@ -141,6 +144,8 @@ class SpeculativeDecoder:
 
         anchor_pos = [r.num_computed for r in decodes]
         forward, outcome, rows = self._verify(runner, decodes, prefills, drafts, plan.lens, sampling)
+        if self.live_sps is not None and not prefills:  # prefill chunks would skew the curve
+            self.live_sps.record(forward.batch.num_tokens, forward.seconds)
         self._observe(decodes, drafts, plan, outcome)
         self._keep_accepted(runner.allocator, decodes, anchor_pos, prefills, forward, outcome)
         emitted = [
@@ -151,7 +156,9 @@ class SpeculativeDecoder:
             )
             for i, req in enumerate(decodes)
         ]
-        return SpecStepResult(emitted, forward, rows, drafting, draft_s, prefill_tokens)
+        return SpecStepResult(
+            emitted, forward, rows, drafting, draft_s, prefill_tokens, plan.predicted_seconds
+        )
 
     def record(self, result: SpecStepResult, emitted: int, step_seconds: float) -> None:
         """After the engine committed ``result``: teach the gate and the overhead estimate."""
@@ -204,15 +211,20 @@ class SpeculativeDecoder:
         """ℓ_r from calibrated confidences (never from the drafted tokens' values), capped by
         the tokens a request may still emit and the step's budget (lengths only)."""
         confidences = survival = None
+        predicted: float | None = None
         if drafts.confidence_logits is not None:
             confidences = self.calibrate(drafts.confidence_logits, sampling.temperature == 0)
             survival = torch.cumprod(confidences, dim=1)
             self._refresh_sps_table()
             if self.overhead is not None:
                 self.planner.set_step_overhead(self.overhead.overhead(len(decodes), draft_s))
-            lens = self.planner.plan(
+            planned = self.planner.plan_detailed(
                 confidences, max_draft_tokens=max_draft_tokens, extra_batch_tokens=prefill_tokens
-            ).tolist()
+            )
+            lens = planned.verify_lens.tolist()
+            theta = planned.expected_throughput
+            if math.isfinite(theta) and theta > 0:
+                predicted = planned.expected_tokens / theta
         else:
             lens = [self.gamma] * len(decodes)
         lens = [
@@ -221,7 +233,7 @@ class SpeculativeDecoder:
         ]
         if confidences is None and max_draft_tokens is not None:
             lens = cap_lengths(np.asarray(lens), max_draft_tokens).tolist()
-        return _Plan(lens, confidences, survival)
+        return _Plan(lens, confidences, survival, predicted)
 
     def _verify(
         self,
