@@ -1,6 +1,19 @@
-"""Verification planning: SPS cost tables, verify-length planners, STS calibration and
-their live upkeep. Pure arithmetic on tensors; imports nothing else from dspark_server."""
+"""Verification planning: SPS cost tables, verify-length planners, confidence calibration (STS
+and its per-sampling-regime extension) and their live upkeep. Pure arithmetic on tensors;
+imports nothing else from dspark_server."""
 
+from .calibration import (
+    CalibrationSet,
+    RegimeCalibration,
+    SurvivalMap,
+    cross_validated_ece,
+    fit_regime,
+    fit_survival_maps,
+    load_calibration_set,
+    plot_calibration_set,
+    save_calibration_set,
+    survival_ece,
+)
 from .live import CalibrationDriftTracker, LiveSpsPoint, LiveSpsTable, PositionDrift
 from .planner import (
     PLANNER_MODES,
@@ -43,6 +56,16 @@ from .sts import (
 )
 
 __all__ = [
+    "CalibrationSet",
+    "RegimeCalibration",
+    "SurvivalMap",
+    "cross_validated_ece",
+    "fit_regime",
+    "fit_survival_maps",
+    "load_calibration_set",
+    "plot_calibration_set",
+    "save_calibration_set",
+    "survival_ece",
     "cap_lengths",
     "PLANNER_MODES",
     "CalibrationDriftTracker",
