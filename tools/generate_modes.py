@@ -17,13 +17,14 @@ import sys
 import time
 from dataclasses import replace
 from pathlib import Path
+from typing import cast
 
 import torch
 from tqdm import tqdm
 
 from dspark_server.assets import default_draft, default_target
 from dspark_server.bench.common import machine_info
-from dspark_server.config import EngineConfig, SpeculativeConfig
+from dspark_server.config import SPEC_MODES, EngineConfig, SpecMode, SpeculativeConfig
 from dspark_server.engine.engine import LLMEngine
 from dspark_server.offline import GenerateConfig, generate
 
@@ -65,7 +66,9 @@ def main(argv: list[str] | None = None) -> None:
         torch.set_num_threads(a.threads)
     model = a.model or default_target()
     draft = a.draft or default_draft()
-    modes = a.modes.split(",")
+    modes = [cast(SpecMode, m) for m in a.modes.split(",")]
+    if bad := [m for m in modes if m not in SPEC_MODES]:
+        p.error(f"--modes: unknown {bad} (choose from {SPEC_MODES})")
     engines = {
         m: LLMEngine(
             EngineConfig(
@@ -74,7 +77,7 @@ def main(argv: list[str] | None = None) -> None:
                 max_running=max(1, a.concurrency),
                 spec=SpeculativeConfig(mode=m),
             )
-        )  # type: ignore[arg-type]
+        )
         for m in modes
     }
     files = a.prompts.split(",")
@@ -92,8 +95,8 @@ def main(argv: list[str] | None = None) -> None:
                     progress=False,
                 )
                 order = modes[rnd % len(modes) :] + modes[: rnd % len(modes)]
-                for m in order:
-                    samples.setdefault((f, m), []).append(run_mode(engines[m], replace(gen)))
+                for mode in order:
+                    samples.setdefault((f, mode), []).append(run_mode(engines[mode], replace(gen)))
                     bar.update(1)
     runs = []
     for (f, m), rs in samples.items():
@@ -119,8 +122,7 @@ def main(argv: list[str] | None = None) -> None:
         "kind": "generate_modes",
         "machine": machine,
         "config": {
-            "command": "python -m tools.generate_modes "
-            + " ".join(sys.argv[1:] if argv is None else argv)
+            "command": "python -m tools.generate_modes " + " ".join(sys.argv[1:] if argv is None else argv)
         },
         "limit": a.limit,
         "max_tokens": a.max_tokens,

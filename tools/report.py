@@ -40,7 +40,8 @@ def acceptance_summary(result: dict[str, Any]) -> list[str]:
     if len(labels) < 2:
         return []
     header = ["prompts"] + [f"τ {lb}" for lb in labels] + [f"{labels[0]} vs {lb}" for lb in labels[1:]]
-    rows, gains = [], {lb: [] for lb in labels[1:]}
+    rows: list[list[str]] = []
+    gains: dict[str, list[float]] = {lb: [] for lb in labels[1:]}
     for ps in sets:
         tau = {e["label"]: e["mean_acceptance_length"] for e in result["results"][ps]}
         row = [ps] + [fmt(tau.get(lb)) for lb in labels]

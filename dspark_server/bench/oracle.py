@@ -299,7 +299,7 @@ def run_oracle(cfg: OracleConfig) -> dict[str, Any]:
     if spec.price_step_overhead:  # plan and score on the curve dspark serve plans with
         table, lookup = fit_roofline(table), "roofline fitted to the probes (as dspark serve plans)"
     levels = list(cfg.concurrency)
-    replays = []
+    replays: list[dict[str, Any]] = []
     for c in levels:
         replays.append(
             {

@@ -160,7 +160,7 @@ def _load_profiler(vocab_size: int) -> Any:
         )
     # The profiler sizes random prompts with len(HF tokenizer); with skip_tokenizer_init the server
     # needs no HF tokenizer, so give it the model's vocabulary size directly.
-    mod.get_tokenizer = lambda _path: _SizedVocab(vocab_size)
+    vars(mod)["get_tokenizer"] = lambda _path: _SizedVocab(vocab_size)
     return mod
 
 

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import cast
 
 import torch
 import torch.nn.functional as F
@@ -188,7 +189,7 @@ class DSparkDrafter(nn.Module):
         """
         ctx = self.project_context(features)
         cos, sin = self.rotary_emb.cos_sin(positions, ctx.dtype)
-        for i, layer in enumerate(self.layers):
+        for i, layer in enumerate(cast("list[DraftLayer]", self.layers)):
             k, v = layer.self_attn.kv(ctx, cos, sin)
             pool.k[i].index_copy_(0, slots, k.to(pool.k.dtype))
             pool.v[i].index_copy_(0, slots, v.to(pool.v.dtype))
@@ -293,7 +294,7 @@ class DSparkDrafter(nn.Module):
         ctx_ok = torch.arange(s)[None, None, :] < anchors[..., None]  # [B, A, S]
         ctx_ok = ctx_ok[:, None, :, None, :].expand(b, 1, a, g, s).reshape(b, 1, a * g, s)
         rep = self.config.num_attention_heads // self.config.num_key_value_heads
-        for layer in self.layers:
+        for layer in cast("list[DraftLayer]", self.layers):
             kc, vc = layer.self_attn.kv(ctx, ccos, csin)  # [B*S, Hkv, D]
 
             def attend(

@@ -43,6 +43,8 @@ def fuse_linears(*linears: nn.Linear) -> tuple[torch.Tensor, torch.Tensor | None
 class RotaryEmbedding(nn.Module):
     """Rotary position embedding in the Hugging Face (rotate-half) layout."""
 
+    inv_freq: torch.Tensor  # a buffer (register_buffer)
+
     def __init__(self, head_dim: int, theta: float, scaling: RopeScaling | None = None) -> None:
         super().__init__()
         inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim))

@@ -7,6 +7,7 @@ checkpoint's state dict loads without renaming.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import cast
 
 import torch
 import torch.nn.functional as F
@@ -134,7 +135,7 @@ class TargetModel(nn.Module):
     def fuse_projections(self) -> None:
         """For serving: one GEMM for q/k/v and one for gate/up in every layer (inference only;
         training, with gradients on, keeps the separate projections)."""
-        for layer in self.model.layers:
+        for layer in cast("list[DecoderLayer]", self.model.layers):
             layer.self_attn.fuse()
             layer.mlp.fuse()
 

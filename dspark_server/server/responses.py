@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import time
-from typing import Any, Protocol
+from typing import Any, Protocol, cast
 
 from dspark_server.engine.request import RequestOutput
 from dspark_server.server.protocol import (
@@ -11,6 +11,7 @@ from dspark_server.server.protocol import (
     ChatCompletionResponse,
     CompletionChoice,
     CompletionResponse,
+    FinishReason,
     ResponseMessage,
     SpecUsage,
     Usage,
@@ -30,12 +31,13 @@ def usage_of(out: RequestOutput) -> Usage:
         prompt_tokens=out.prompt_tokens,
         completion_tokens=out.completion_tokens,
         total_tokens=out.prompt_tokens + out.completion_tokens,
-        spec=SpecUsage(**out.spec.as_dict()),
+        spec=SpecUsage.model_validate(out.spec.as_dict()),
     )
 
 
-def _public_reason(reason: str | None) -> str | None:
-    return "stop" if reason == "abort" else reason
+def _public_reason(reason: str | None) -> FinishReason:
+    """The engine's reason as OpenAI's: an aborted request reads as stopped."""
+    return cast(FinishReason, "stop" if reason == "abort" else reason)
 
 
 class ChatFormatter:

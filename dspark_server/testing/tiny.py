@@ -106,7 +106,8 @@ def build_tiny_model(
     out = Path(out_dir)
     tok = build_tokenizer(out)
     vocab = vocab_size or tok.get_vocab_size()
-    eos = [tok.token_to_id("<|im_end|>"), tok.token_to_id("<|endoftext|>")] if with_eos else []
+    specials = [tok.token_to_id("<|im_end|>"), tok.token_to_id("<|endoftext|>")]
+    eos = [i for i in specials if i is not None] if with_eos else []
     hf = tiny_hf_config(vocab, hidden, layers, heads, kv_heads, intermediate, eos)
     torch.manual_seed(seed)
     model = TargetModel(ModelConfig.from_hf_dict(hf))
@@ -142,6 +143,8 @@ def build_tiny_drafter(
 
     target = load_target(target_dir)
     mask_id = HFTokenizer.from_file(str(Path(target_dir) / "tokenizer.json")).token_to_id("<|mask|>")
+    if mask_id is None:
+        raise ValueError(f"{target_dir}: the tokenizer has no <|mask|> token")
     cfg = DraftConfig.from_target(
         target.config,
         mask_token_id=mask_id,

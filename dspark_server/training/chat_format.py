@@ -126,7 +126,7 @@ def code_samples(doc: Document, rng: random.Random, cfg: SampleConfig = SampleCo
     except (SyntaxError, ValueError):
         tree = None
     if tree is not None:
-        nodes: list[ast.AST] = []
+        nodes: list[ast.FunctionDef | ast.AsyncFunctionDef | ast.ClassDef] = []
         for node in tree.body:
             if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef | ast.ClassDef):
                 nodes.append(node)
@@ -246,7 +246,7 @@ def prose_samples(doc: Document, rng: random.Random, cfg: SampleConfig = SampleC
         else:
             m = re.match(r"(.{20,300}?[.!?])\s", answer, re.S)
             rest = answer[m.end() :].lstrip() if m else ""
-            if len(rest) < cfg.min_answer_chars:
+            if m is None or len(rest) < cfg.min_answer_chars:
                 continue
             first = " ".join(m.group(1).split())
             user = rng.choice(_PROSE_CONT_PROMPTS).format(first=first)

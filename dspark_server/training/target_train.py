@@ -268,13 +268,13 @@ def lr_at(step: int, cfg: TrainConfig) -> float:
 
 
 def build_model(arch: TargetArch, tok: Tokenizer, seed: int = 0) -> tuple[TargetModel, dict, dict]:
-    eos = (tok.token_to_id(IM_END), tok.token_to_id(ENDOFTEXT))
-    pad = tok.token_to_id(ENDOFTEXT)
-    if None in eos or tok.get_vocab_size(with_added_tokens=True) != arch.vocab_size:
+    im_end, pad = tok.token_to_id(IM_END), tok.token_to_id(ENDOFTEXT)
+    if im_end is None or pad is None or tok.get_vocab_size(with_added_tokens=True) != arch.vocab_size:
         raise ValueError(
             f"tokenizer (vocab {tok.get_vocab_size(with_added_tokens=True)}) does not match "
             f"arch.vocab_size={arch.vocab_size} or lacks the special tokens"
         )
+    eos = (im_end, pad)
     hf = hf_config(arch, eos, pad)
     torch.manual_seed(seed)
     model = TargetModel(ModelConfig.from_hf_dict(hf))
