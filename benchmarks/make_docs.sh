@@ -11,5 +11,7 @@ for f in decode/results.json generate_modes/results.json generate_modes_c64/resu
   [[ "$f" = /* ]] || f="$OUT/$f"
   if [[ -f "$f" ]]; then files+=(--results "$f"); fi
 done
-exec "$PY" -m tools.report "${files[@]}" --title "Benchmarks" \
+extra=()
+if [[ -n "$PROMPTS" ]]; then extra+=(--prompts-dir "$PROMPTS"); fi  # shown as $PROMPTS in the page
+exec "$PY" -m tools.report "${files[@]}" "${extra[@]}" --title "Benchmarks" \
   --preface "$ROOT/benchmarks/preface.md" --out "${DOC:-$ROOT/docs/benchmarks.md}"

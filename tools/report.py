@@ -217,14 +217,32 @@ def render(result: dict[str, Any]) -> str:
     return RENDERERS[kind](result)
 
 
+REPO = Path(__file__).resolve().parents[1]
+
+
+def portable(text: str, prompts_dir: str | None = None) -> str:
+    """Paths as a fresh clone has them: the repository root dropped (commands run from it) and
+    the evaluation prompt directory, which is not shipped, written ``$PROMPTS``."""
+    if prompts_dir:
+        for form in sorted({prompts_dir, str(Path(prompts_dir).resolve())}, key=len, reverse=True):
+            text = text.replace(f"{REPO}/{form.rstrip('/')}/", "$PROMPTS/").replace(
+                form.rstrip("/") + "/", "$PROMPTS/"
+            )
+    return text.replace(f"{REPO}/", "")
+
+
 def write_report(
-    result_paths: Sequence[str], out: str | Path, title: str = "Benchmarks", preface: str | Path | None = None
+    result_paths: Sequence[str],
+    out: str | Path,
+    title: str = "Benchmarks",
+    preface: str | Path | None = None,
+    prompts_dir: str | None = None,
 ) -> Path:
     """One markdown page from several result JSON files (any suite), in the order given.
 
     Each JSON and the PNGs beside it are copied into a folder named after the page
     (docs/benchmarks.md -> docs/benchmarks/NN-KIND/), so the page and its figures can be committed
-    while runs/ stays ignored."""
+    while runs/ stays ignored. Paths in the page are made ``portable``."""
     import shutil
 
     out = Path(out)
@@ -247,7 +265,7 @@ def write_report(
             shutil.rmtree(dest)
         dest.mkdir(parents=True)
         shutil.copy2(path, dest / path.name)
-        parts.append(render(result))
+        parts.append(portable(render(result), prompts_dir))
         for png in sorted(path.parent.glob("*.png")):
             shutil.copy2(png, dest / png.name)
             parts.append(f"![{png.stem}]({assets.name}/{dest.name}/{png.name})")
@@ -264,9 +282,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", default="runs/bench/benchmarks.md", help="markdown page to write")
     p.add_argument("--title", default="Benchmarks", help="page title")
     p.add_argument("--preface", default=None, help="markdown prose placed under the title")
+    p.add_argument(
+        "--prompts-dir", default=None, help="the evaluation prompt directory, shown as $PROMPTS in the page"
+    )
     a = p.parse_args(argv)
     files = [f for item in a.results for f in split_list(item)]
-    print(f"wrote {write_report(files, a.out, title=a.title, preface=a.preface)}", file=sys.stderr)
+    out = write_report(files, a.out, title=a.title, preface=a.preface, prompts_dir=a.prompts_dir)
+    print(f"wrote {out}", file=sys.stderr)
     return 0
 
 
