@@ -123,8 +123,8 @@ def test_confidence_of_position_k_reads_x_k_minus_1_and_the_backbone_only(
     for i, ((conf_a, _), (conf_b, _)) in enumerate(zip(*runs, strict=True)):
         up_to_k = conf_a[:position] - conf_b[:position]
         assert torch.equal(conf_a[:position], conf_b[:position]), (
-            f"request {i} ({params[i]}): the confidence of positions 1..{position} changed with the "
-            f"token drafted at position {position} (differences {up_to_k.tolist()})"
+            f"request {i} ({_describe(params[i])}): the confidence of positions 1..{position} changed "
+            f"with the token drafted at position {position} (differences {up_to_k.tolist()})"
         )
         gap = float(conf_a[position] - conf_b[position])
         expected = CONFIDENCE_BY_PREV[CONFIDENT] - CONFIDENCE_BY_PREV[DOUBTFUL]
@@ -165,13 +165,17 @@ def test_planner_admission_of_a_position_never_depends_on_its_own_token(
         lens.append([ell for _, ell in first_rounds(engine, MIXED)])
     for i, (a, b) in enumerate(zip(*lens, strict=True)):
         assert (a >= position) == (b >= position), (
-            f"request {i} ({MIXED[i]}): position {position} was verified with one drafted token "
+            f"request {i} ({_describe(MIXED[i])}): position {position} was verified with one drafted token "
             f"there and not with another (ℓ = {a} vs {b})"
         )
     later = [(a, b) for a, b in zip(*lens, strict=True) if a != b]
     if position < GAMMA:  # the confidences after x_k do follow it: later positions may differ
         assert later or mode == "dspark", f"no plan changed with x_{position}: {lens}"
     assert len(set(lens[0])) > 1, f"the plans do not vary, the test shows nothing: {lens[0]}"
+
+
+def _describe(sp: SamplingParams) -> str:
+    return f"temperature {sp.temperature}, top_k {sp.top_k}"
 
 
 def _logit(p: float) -> float:

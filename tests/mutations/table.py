@@ -42,7 +42,7 @@ MUTATIONS: tuple[Mutation, ...] = (
                 "else (int(p[n].argmax()) if n > 0 else _sample(p[n], p[n], gen)))",
             ),
         ),
-        (f"{DIST}[fixed]", "tests/test_verify.py"),
+        (f"{DIST}[fixed]",),
     ),
     Mutation(
         "confidence-reads-x_k",
