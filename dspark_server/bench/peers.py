@@ -126,88 +126,68 @@ class PeersConfig:
     assistant_layers: int = 1
 
 
-def run_peers(cfg: PeersConfig) -> dict[str, Any]:
+def _our_systems(cfg: PeersConfig) -> list[OurSystem]:
+    """One engine per --modes entry, driven through its own API one request at a time."""
     from dspark_server.engine.engine import LLMEngine
 
-    a = cfg.suite
-    base = a.engine
-    if base.num_threads:
-        torch.set_num_threads(base.num_threads)
-    sets = load_prompt_sets(a.prompt_files, a.limit)
-    systems: list[Any] = []
-    engine = None
+    a, base = cfg.suite, cfg.suite.engine
+    systems = []
     for mode in cfg.modes:
         if mode != "off" and base.draft_dir is None:
             raise BenchError(f"mode {mode} needs a drafter (--draft DIR)")
-        engine = LLMEngine(
-            replace(
-                base,
-                spec=replace(base.spec, mode=mode),
-                draft_dir=base.draft_dir if mode != "off" else None,
-                max_running=4,
-            )
-        )
+        spec = replace(base.spec, mode=mode)
+        draft = base.draft_dir if mode != "off" else None
+        engine = LLMEngine(replace(base, spec=spec, draft_dir=draft, max_running=4))
         systems.append(OurSystem(mode, engine, a.max_tokens, a.ignore_eos))
-    assert engine is not None
-    tokenizer = engine.tokenizer
+    if not systems:
+        raise BenchError("--modes names no mode")
+    return systems
+
+
+def _hf_systems(cfg: PeersConfig, notes: list[str]) -> list[HFSystem]:
+    """transformers generate(): plain, assisted (truncated assistant), prompt lookup."""
     import transformers
     from transformers import AutoModelForCausalLM
 
+    a, model_dir = cfg.suite, cfg.suite.engine.model_dir
     transformers.logging.set_verbosity_error()
     transformers.utils.logging.disable_progress_bar()
-    target = AutoModelForCausalLM.from_pretrained(base.model_dir, dtype=torch.float32).eval()
-    hf = [
-        HFSystem(
-            "hf_generate", "transformers generate(), greedy, KV cache", target, a.max_tokens, a.ignore_eos
-        )
-    ]
-    notes = []
+    target = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    plain = "transformers generate(), greedy, KV cache"
+    hf = [HFSystem("hf_generate", plain, target, a.max_tokens, a.ignore_eos)]
     if cfg.assisted:
         try:
-            assistant = _truncated_assistant(base.model_dir, cfg.assistant_layers)
+            assistant = _truncated_assistant(model_dir, cfg.assistant_layers)
+            layers = cfg.assistant_layers
+            what = f"transformers assisted generation, assistant = target truncated to {layers} layer(s)"
             hf.append(
-                HFSystem(
-                    "hf_assisted",
-                    f"transformers assisted generation, assistant = target "
-                    f"truncated to {cfg.assistant_layers} layer(s)",
-                    target,
-                    a.max_tokens,
-                    a.ignore_eos,
-                    assistant_model=assistant,
-                )
+                HFSystem("hf_assisted", what, target, a.max_tokens, a.ignore_eos, assistant_model=assistant)
             )
         except (BenchError, ValueError, OSError) as exc:
             notes.append(f"no assisted generation: {exc}")
+    lookup = "transformers prompt-lookup decoding (10-token n-gram drafts)"
     hf.append(
-        HFSystem(
-            "hf_prompt_lookup",
-            "transformers prompt-lookup decoding (10-token n-gram drafts)",
-            target,
-            a.max_tokens,
-            a.ignore_eos,
-            prompt_lookup_num_tokens=10,
-        )
+        HFSystem("hf_prompt_lookup", lookup, target, a.max_tokens, a.ignore_eos, prompt_lookup_num_tokens=10)
     )
-    systems = hf + systems
-    prompts = [
-        (ps.name, tokenizer.encode_chat([{"role": "user", "content": p}])) for ps in sets for p in ps.prompts
-    ]
-    for s in systems:  # warm-up: first-call allocations, lazy inits
-        s.run(prompts[0][1][:32])
-    totals = {s.name: {"tokens": 0, "seconds": 0.0} for s in systems}
-    outputs: dict[str, list[list[int]]] = {s.name: [] for s in systems}
+    return hf
+
+
+def _time_systems(
+    systems: list[Any], prompts: list[list[int]], rounds: int, progress: bool
+) -> tuple[dict[str, dict[str, float]], dict[str, list[list[int]]]]:
+    """Every system on every prompt in turn (order rotated per round): token and second totals,
+    and the first round's outputs."""
     from tqdm import tqdm
 
-    with tqdm(
-        total=a.rounds * len(prompts) * len(systems),
-        desc="peers",
-        unit="gen",
-        disable=not a.progress,
-        file=sys.stderr,
-    ) as bar:
-        for rnd in range(a.rounds):
+    for s in systems:  # warm-up: first-call allocations, lazy inits
+        s.run(prompts[0][:32])
+    totals = {s.name: {"tokens": 0, "seconds": 0.0} for s in systems}
+    outputs: dict[str, list[list[int]]] = {s.name: [] for s in systems}
+    total = rounds * len(prompts) * len(systems)
+    with tqdm(total=total, desc="peers", unit="gen", disable=not progress, file=sys.stderr) as bar:
+        for rnd in range(rounds):
             order = systems[rnd % len(systems) :] + systems[: rnd % len(systems)]
-            for _, ids in prompts:
+            for ids in prompts:
                 for s in order:
                     toks, secs = s.run(ids)
                     totals[s.name]["tokens"] += len(toks)
@@ -215,25 +195,33 @@ def run_peers(cfg: PeersConfig) -> dict[str, Any]:
                     if rnd == 0:
                         outputs[s.name].append(toks)
                     bar.update(1)
-    rows = []
-    for s in systems:
-        t = totals[s.name]
-        rows.append(
-            {
-                "system": s.name,
-                "description": s.description,
-                "tokens": t["tokens"],
-                "seconds": t["seconds"],
-                "tokens_per_s": t["tokens"] / t["seconds"],
-            }
-        )
+    return totals, outputs
+
+
+def run_peers(cfg: PeersConfig) -> dict[str, Any]:
+    a, base = cfg.suite, cfg.suite.engine
+    if base.num_threads:
+        torch.set_num_threads(base.num_threads)
+    sets = load_prompt_sets(a.prompt_files, a.limit)
+    ours = _our_systems(cfg)
+    notes: list[str] = []
+    hf = _hf_systems(cfg, notes)
+    systems: list[Any] = [*hf, *ours]
+    tokenizer = ours[0].engine.tokenizer
+    prompts = [tokenizer.encode_chat([{"role": "user", "content": p}]) for ps in sets for p in ps.prompts]
+    totals, outputs = _time_systems(systems, prompts, a.rounds, a.progress)
+    rows = [
+        {
+            "system": s.name,
+            "description": s.description,
+            "tokens": totals[s.name]["tokens"],
+            "seconds": totals[s.name]["seconds"],
+            "tokens_per_s": totals[s.name]["tokens"] / totals[s.name]["seconds"],
+        }
+        for s in systems
+    ]
     tps = {r["system"]: r["tokens_per_s"] for r in rows}
-    ratios = {
-        f"{o.name} / {h.name}": tps[o.name] / tps[h.name]
-        for o in systems
-        if isinstance(o, OurSystem)
-        for h in hf
-    }
+    ratios = {f"{o.name} / {h.name}": tps[o.name] / tps[h.name] for o in ours for h in hf}
     ref = outputs["hf_generate"]
     agreement = {
         s.name: sum(x == y for x, y in zip(outputs[s.name], ref, strict=True)) / len(ref)
