@@ -35,6 +35,7 @@ def pair(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[str
     return {"model": tiny_model, "draft": draft, "sps": sps, "prompts": prompts}
 
 
+@pytest.mark.slow  # two self-hosted servers: minutes on 2 shared cores
 def test_self_hosted_sweep_writes_results(pair: dict[str, Path], tmp_path: Path) -> None:
     out = tmp_path / "out"
     rc = bench_main(
@@ -99,6 +100,7 @@ def test_self_hosted_sweep_writes_results(pair: dict[str, Path], tmp_path: Path)
         assert (out / f"{png}.png").stat().st_size > 1000
 
 
+@pytest.mark.slow  # a real server
 def test_failing_request_fails_the_bench(
     pair: dict[str, Path], tmp_path: Path, start_server, capsys: pytest.CaptureFixture[str]
 ) -> None:
