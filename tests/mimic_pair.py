@@ -4,8 +4,8 @@ A random tiny drafter almost never agrees with a random tiny target (acceptance 
 emitted tokens are then nearly all corrections, and a broken acceptance rule barely shows). This
 drafter's Markov head proposes "repeat the previous token" with a fixed strength, the tendency the
 tied-embedding target has too, over tempered random base logits; so per-position acceptance is
-0.4–0.7 depending on the sampling settings. Its confidence head reads mostly the previous token,
-strongly, so a planner that were fed the wrong token would change which drafts it verifies.
+0.4–0.6 depending on the sampling settings. Its confidence head reads mostly the previous token,
+strongly, so a planner fed the wrong token would change which drafts it verifies.
 """
 
 from __future__ import annotations
