@@ -195,7 +195,7 @@ class _FixedDrafts:
         self.engine = engine
         self.wrong = wrong
 
-    def __call__(self, decodes, block, anchors, sampling, generators) -> Drafts:  # noqa: ANN001
+    def __call__(self, decodes, block, anchors, sampling, generators) -> Drafts:
         target, gamma = self.engine.runner.target, self.engine.spec.gamma  # type: ignore[union-attr]
         vocab = target.config.vocab_size
         rows = []
