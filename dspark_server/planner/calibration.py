@@ -298,12 +298,14 @@ class RegimeCalibration:
         for key in lists:
             if not isinstance(data.get(key, []), list):
                 raise ValueError(f"calibration regime: {key!r} must be a list, got {data[key]!r}")
-        maps = {k: data.get(k) for k in ("survival_map", "capped_map")}
+        fields: dict[str, Any] = {key: tuple(data.get(key, [])) for key in lists}
+        for k in ("survival_map", "capped_map"):
+            v = data.get(k)
+            fields[k] = None if v is None else SurvivalMap.from_dict(v)
         return cls(
             sampling_temperature=data["sampling_temperature"],
-            **{k: None if v is None else SurvivalMap.from_dict(v) for k, v in maps.items()},
             num_samples=data.get("num_samples", 0),
-            **{key: tuple(data.get(key, [])) for key in lists},
+            **fields,
         )
 
 
