@@ -1,12 +1,13 @@
 """`dspark bench`: flags and dispatch to the suites. Light at import time (the CLI imports it to
 build its parser); each suite imports torch / httpx / transformers only when it runs.
 
-Suites (``--suite``):
+Suites (--suite):
   serving          TPS / latency / acceptance vs concurrency, modes side by side (default)
   peers            transformers generate() (plain, assisted, prompt lookup) vs our engine, concurrency 1
   oracle           record full-γ rounds, replay them through the planners and an oracle
 
-The paper's figures and the docs page are repository tools (python -m tools.paper / tools.report).
+The paper's figures and the docs page are repository tools, in a source checkout:
+`python -m tools.paper --help`, `python -m tools.report --help` (benchmarks/README.md).
 """
 
 from __future__ import annotations
