@@ -122,6 +122,29 @@ def _engine_config(a: argparse.Namespace) -> EngineConfig:
         raise SystemExit(f"error: {exc}") from None
 
 
+# ServerConfig fields with a flag of their own: (flag, field, type, help); defaults from the dataclass.
+_SERVER_LIMITS: tuple[tuple[str, str, type, str], ...] = (
+    (
+        "--max-prompt-chars",
+        "max_prompt_chars",
+        int,
+        "prompts with more characters get 413 before tokenizing (default: only the model's bound, "
+        "max-model-len x the longest token, a 400)",
+    ),
+    ("--header-timeout", "header_timeout_s", float, "seconds a request's headers may take (then 408)"),
+    ("--body-timeout", "body_timeout_s", float, "seconds a request's body may take after its headers"),
+    ("--idle-timeout", "idle_timeout_s", float, "seconds a kept-alive connection may sit idle"),
+    ("--max-connections", "max_connections", int, "open connections beyond this get 503"),
+    ("--sse-keepalive", "sse_keepalive_s", float, "seconds between SSE keep-alive comments while idle"),
+    (
+        "--queue-timeout",
+        "queue_timeout_s",
+        float,
+        "seconds a request may wait for its first token (then it ends with a queue_timeout error)",
+    ),
+)
+
+
 def cmd_serve(a: argparse.Namespace) -> None:
     from dspark_server.server.serve import run_server
 
@@ -138,6 +161,7 @@ def cmd_serve(a: argparse.Namespace) -> None:
         served_model_name=a.served_model_name,
         drain_timeout_s=a.drain_timeout,
         max_body_bytes=a.max_body_bytes,
+        **{name: getattr(a, name) for _, name, _, _ in _SERVER_LIMITS},
     )
     if a.backend == "sglang":
         scfg = _sglang_config(a)
@@ -303,6 +327,8 @@ def build_parser() -> argparse.ArgumentParser:
         default=field_default(ServerConfig, "max_body_bytes"),
         help="larger request bodies get 413",
     )
+    for flag, name, type_, doc in _SERVER_LIMITS:
+        serve.add_argument(flag, dest=name, type=type_, default=field_default(ServerConfig, name), help=doc)
     _backend_args(serve)
     serve.set_defaults(func=cmd_serve)
 

@@ -160,3 +160,15 @@ class ServerConfig:
     served_model_name: str | None = None
     max_body_bytes: int = 4 * 1024 * 1024
     drain_timeout_s: float = 30.0
+    # Prompt characters (message contents, or the completion prompt) checked before tokenizing:
+    # over this, 413. None: only the model's own bound (max_model_len x the longest token's
+    # characters, a 400 context_length_exceeded), which no longer text can fit under.
+    max_prompt_chars: int | None = None
+    tokenizer_workers: int = 2  # threads tokenizing long prompts off the event loop
+    max_tokenize_queue: int = 32  # long prompts waiting for (or in) a tokenizer thread; then 429
+    header_timeout_s: float = 10.0  # from a connection's (or request's) first byte to its last header
+    body_timeout_s: float = 30.0  # from the headers to the end of the body (then 408)
+    idle_timeout_s: float = 5.0  # keep-alive connections with no request are closed after this
+    max_connections: int = 512  # open connections beyond this are answered 503 and closed
+    sse_keepalive_s: float = 5.0  # a stream with nothing to send sends an SSE comment this often
+    queue_timeout_s: float = 600.0  # no first token within this: the request ends with an error

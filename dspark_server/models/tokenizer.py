@@ -10,6 +10,9 @@ from jinja2.exceptions import TemplateError
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import Tokenizer as HFTokenizer
 
+# Texts at least this long are encoded on the GIL-releasing batch path.
+RELEASE_GIL_CHARS = 2048
+
 
 def _raise(message: str) -> None:
     raise TemplateError(message)
@@ -30,6 +33,7 @@ class Tokenizer:
         env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
         env.globals["raise_exception"] = _raise
         self._template = env.from_string(self.chat_template) if self.chat_template else None
+        self._max_token_chars: int | None = None
         self.special_ids: frozenset[int] = frozenset(
             i for i, t in self._tok.get_added_tokens_decoder().items() if t.special
         )
@@ -42,7 +46,22 @@ class Tokenizer:
         return self._tok.token_to_id(token)
 
     def encode(self, text: str) -> list[int]:
-        return self._tok.encode(text, add_special_tokens=False).ids
+        if len(text) < RELEASE_GIL_CHARS:
+            return self._tok.encode(text, add_special_tokens=False).ids
+        # ``encode`` holds the GIL for the whole text (seconds for megabytes, stalling every other
+        # thread); ``encode_batch`` runs it in Rust with the GIL released.
+        return self._tok.encode_batch([text], add_special_tokens=False)[0].ids
+
+    @property
+    def max_token_chars(self) -> int:
+        """An upper bound on the input characters one token can stand for: the longest vocabulary
+        entry (bytes for byte-level BPE, so at least its characters), times 4 for a normalizer
+        such as NFC that composes up to 4 input code points into one. A text longer than
+        ``n * max_token_chars`` characters has more than ``n`` tokens."""
+        if self._max_token_chars is None:
+            longest = max((len(t) for t in self._tok.get_vocab(with_added_tokens=True)), default=1)
+            self._max_token_chars = 4 * max(1, longest)
+        return self._max_token_chars
 
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
         return self._tok.decode(ids, skip_special_tokens=skip_special_tokens)

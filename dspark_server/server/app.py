@@ -1,5 +1,5 @@
 """FastAPI routes: OpenAI-compatible completions, health/readiness, metrics, and the guard
-(auth, body limit, request counting, drain bookkeeping) in front of them.
+(auth, body limit and deadline, request counting, drain bookkeeping) in front of them.
 
 Every error a client can cause is a 4xx with the OpenAI body ``{"error": {message, type, param,
 code}}``; a 500 means a bug in this server. A client that disconnects (streaming or not) aborts its
@@ -8,23 +8,19 @@ request, and the engine frees its KV at the start of its next step.
 
 from __future__ import annotations
 
-import asyncio
-import json
 import logging
-from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.openapi.utils import get_openapi
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
-from starlette.types import Receive, Scope, Send
 
 from dspark_server.config import ServerConfig
-from dspark_server.engine.backend import Backend, QueueFullError, RequestStream
-from dspark_server.engine.request import InvalidRequestError, RequestOutput, SamplingParams
-from dspark_server.server.guard import Guard, ServerState, error_response
+from dspark_server.engine.backend import Backend, QueueFullError
+from dspark_server.engine.request import InvalidRequestError, SamplingParams
+from dspark_server.server.guard import RETRY_AFTER_UNAVAILABLE_S, Guard, error_response
 from dspark_server.server.metrics import Metrics
 from dspark_server.server.protocol import (
     APIError,
@@ -40,12 +36,13 @@ from dspark_server.server.protocol import (
     new_id,
 )
 from dspark_server.server.responses import ChatFormatter, CompletionFormatter, Formatter
+from dspark_server.server.state import ServerState
+from dspark_server.server.streaming import EngineSSEResponse, collect_until_disconnect, sse_events
+from dspark_server.server.tokenize import PromptTokenizer
 
 log = logging.getLogger(__name__)
 
 RETRY_AFTER_QUEUE_FULL_S = 1
-RETRY_AFTER_UNAVAILABLE_S = 5
-_LARGE_TEXT_CHARS = 20_000  # tokenize longer inputs off the event loop
 
 _RETRY_AFTER_HEADER = {
     "Retry-After": {"description": "seconds to wait before retrying", "schema": {"type": "string"}}
@@ -66,8 +63,10 @@ _ERROR_DESCRIPTIONS = {
     400: "invalid request (malformed JSON, wrong types, values out of range, over the context)",
     401: "missing or wrong API key",
     404: "unknown model",
-    413: "request body over the size limit",
-    429: "the server holds as many requests as it may; retry after Retry-After seconds",
+    408: "the request body did not arrive within the body timeout",
+    413: "request body (or prompt characters) over the size limit",
+    429: "the server holds as many requests (or long prompts to tokenize) as it may; retry after "
+    "Retry-After seconds",
     503: "the server is loading or draining",
 }
 
@@ -84,6 +83,7 @@ def create_app(backend: Backend | None, cfg: ServerConfig, model_name: str) -> F
         description="OpenAI-compatible server with DSpark speculative decoding",
     )
     state = ServerState(cfg, model_name, Metrics(lambda: state))
+    tokenize = PromptTokenizer(cfg)
     if backend is not None:
         state.attach(backend)
     app.state.dspark = state
@@ -154,7 +154,7 @@ def create_app(backend: Backend | None, cfg: ServerConfig, model_name: str) -> F
         max_len = state.backend.max_model_len if state.backend is not None else None
         return ModelList(data=[ModelCard(id=model_name, max_model_len=max_len)])
 
-    post_responses: dict[int | str, dict[str, Any]] = _error_responses(400, 401, 404, 413, 429, 503)
+    post_responses: dict[int | str, dict[str, Any]] = _error_responses(400, 401, 404, 408, 413, 429, 503)
 
     @app.post(
         "/v1/chat/completions",
@@ -172,7 +172,8 @@ def create_app(backend: Backend | None, cfg: ServerConfig, model_name: str) -> F
         backend = _check_serving(state, body.model)
         messages = [{"role": m.role, "content": m.text()} for m in body.messages]
         size = sum(len(m["content"]) for m in messages)
-        prompt_ids = await _tokenize(
+        tokenize.check_chars(backend, size, "messages")
+        prompt_ids = await tokenize.run(
             lambda: backend.tokenizer.encode_chat(messages),
             size,
             "cannot apply the chat template",
@@ -199,7 +200,7 @@ def create_app(backend: Backend | None, cfg: ServerConfig, model_name: str) -> F
     )
     async def completions(body: CompletionRequest, request: Request) -> Response:
         backend = _check_serving(state, body.model)
-        prompt_ids = await _completion_prompt(backend, body.prompt)
+        prompt_ids = await _completion_prompt(backend, tokenize, body)
         return await _serve(
             state, request, body, prompt_ids, body.max_tokens, CompletionFormatter(new_id("cmpl"), model_name)
         )
@@ -265,33 +266,15 @@ def _check_serving(state: ServerState, model: str | None) -> Backend:
     return state.backend
 
 
-async def _tokenize(fn: Callable[[], list[int]], size: int, what: str, param: str) -> list[int]:
-    try:
-        if size > _LARGE_TEXT_CHARS:
-            return await asyncio.to_thread(fn)
-        return fn()
-    except Exception as exc:  # template errors, text the tokenizer rejects: the client's input
-        raise APIError(400, f"{what}: {exc}", param=param) from exc
-
-
-async def _completion_prompt(backend: Backend, prompt: Any) -> list[int]:
-    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
-        prompt = prompt[0]
-    if isinstance(prompt, str):
-        if not prompt:
-            raise APIError(400, "the prompt is empty", param="prompt")
-        return await _tokenize(
-            lambda: backend.tokenizer.encode(prompt), len(prompt), "cannot tokenize the prompt", "prompt"
-        )
-    if isinstance(prompt, list) and prompt and all(isinstance(x, int) for x in prompt):
-        return list(prompt)
-    if isinstance(prompt, list) and not prompt:
-        raise APIError(400, "the prompt is empty", param="prompt")
-    raise APIError(
-        400,
-        "prompt must be a string, a list of token ids, or a list holding exactly one "
-        "of those (batched prompts are not supported)",
-        param="prompt",
+async def _completion_prompt(
+    backend: Backend, tokenize: PromptTokenizer, body: CompletionRequest
+) -> list[int]:
+    prompt = body.prompt_input()  # the schema already refused empty and batched prompts
+    if isinstance(prompt, list):
+        return list(prompt)  # token ids: the engine checks the vocabulary and the context
+    tokenize.check_chars(backend, len(prompt), "prompt")
+    return await tokenize.run(
+        lambda: backend.tokenizer.encode(prompt), len(prompt), "cannot tokenize the prompt", "prompt"
     )
 
 
@@ -335,96 +318,9 @@ async def _serve(
         ) from exc
     if body.stream:
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
-        return EngineSSEResponse(_sse(stream, fmt, include_usage), stream)
-    return await _collect_until_disconnect(request, stream, fmt)
-
-
-async def _sse(stream: RequestStream, fmt: Formatter, include_usage: bool) -> AsyncIterator[str]:
-    first = True
-    async for out in stream:
-        if out.error:
-            yield f"data: {json.dumps(APIError(500, out.error, 'internal_error').body())}\n\n"
-            break
-        events = [f"data: {json.dumps(chunk)}\n\n" for chunk in fmt.stream_chunks(out, first, include_usage)]
-        first = False
-        if events:
-            yield "".join(events)
-    yield "data: [DONE]\n\n"
-
-
-async def _wait_disconnect(receive: Receive) -> None:
-    while True:
-        message = await receive()
-        if message["type"] == "http.disconnect":
-            return
-
-
-class EngineSSEResponse(StreamingResponse):
-    """SSE that watches for the client going away while the engine works: on disconnect the
-    request is aborted at once, not when the next chunk fails to send."""
-
-    def __init__(self, events: AsyncIterator[str], stream: RequestStream) -> None:
-        super().__init__(
-            events,
-            media_type="text/event-stream",
-            headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
-        )
-        self._events = events
-        self._stream = stream
-
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        watcher = asyncio.ensure_future(_wait_disconnect(receive))
-        events = self._events.__aiter__()
-        try:
-            await send(
-                {"type": "http.response.start", "status": self.status_code, "headers": self.raw_headers}
-            )
-            while True:
-                nxt = asyncio.ensure_future(events.__anext__())
-                done, _ = await asyncio.wait({nxt, watcher}, return_when=asyncio.FIRST_COMPLETED)
-                if nxt not in done:  # the client went away
-                    nxt.cancel()
-                    await asyncio.gather(nxt, return_exceptions=True)
-                    return
-                try:
-                    chunk = nxt.result()
-                except StopAsyncIteration:
-                    break
-                await send({"type": "http.response.body", "body": chunk.encode(), "more_body": True})
-            await send({"type": "http.response.body", "body": b"", "more_body": False})
-        except OSError:  # the client went away while we were sending
-            return
-        finally:
-            watcher.cancel()
-            self._stream.close()
-            aclose = getattr(events, "aclose", None)
-            if aclose is not None:
-                await asyncio.gather(aclose(), return_exceptions=True)
-
-
-async def _collect_until_disconnect(request: Request, stream: RequestStream, fmt: Formatter) -> Response:
-    outputs: list[RequestOutput] = []
-
-    async def collect() -> None:
-        async for out in stream:
-            outputs.append(out)
-
-    task = asyncio.ensure_future(collect())
-    watcher = asyncio.ensure_future(_wait_disconnect(request.receive))
-    try:
-        done, _ = await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
-        if task not in done:  # the client went away: abort now, nobody reads the answer
-            stream.close()
-            task.cancel()
-            await asyncio.gather(task, return_exceptions=True)
-            return Response(status_code=499)
-        task.result()
-    finally:
-        watcher.cancel()
-        stream.close()
-    if not outputs or outputs[-1].error:
-        raise APIError(500, outputs[-1].error if outputs else "no output", "internal_error")
-    return JSONResponse(fmt.full_response(outputs))
+        events = sse_events(stream, fmt, include_usage, state.cfg.queue_timeout_s)
+        return EngineSSEResponse(events, stream, state)
+    return await collect_until_disconnect(request, stream, fmt, state)
 
 
 def _validation_api_error(exc: RequestValidationError) -> APIError:

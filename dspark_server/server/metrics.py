@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Iterator
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 from prometheus_client import (
     CollectorRegistry,
@@ -25,7 +25,6 @@ from prometheus_client.registry import Collector
 
 if TYPE_CHECKING:
     from dspark_server.engine.backend import Backend
-    from dspark_server.server.guard import ServerState
 
 disable_created_metrics()  # no *_created series: they double the exposition for nothing
 
@@ -50,6 +49,7 @@ LATENCY_BUCKETS = (
 TOKEN_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)
 VERIFY_BUCKETS = (0, 1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048)
 LENGTH_BUCKETS = (1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 12, 14, 16, 24, 32)
+RATIO_BUCKETS = (0.25, 0.5, 0.67, 0.8, 0.9, 1.0, 1.1, 1.25, 1.5, 2.0, 4.0)
 MEAN_LEN_BUCKETS = (0.0, 0.5, 1.0, 1.5, 2.0, 2.5, 3.0, 3.5, 4.0, 5.0, 6.0, 7.0, 8.0, 10.0, 12.0, 16.0)
 
 # Engine observation name -> (metric name, help, buckets)
@@ -112,12 +112,39 @@ HISTOGRAMS: dict[str, tuple[str, str, tuple[float, ...]]] = {
         "engine step with decoding requests (sum of l).",
         VERIFY_BUCKETS,
     ),
+    "plan_predicted_step_seconds": (
+        "dspark_spec_plan_predicted_step_seconds",
+        "The cost model's price of a speculative step it planned (draft + forward + bookkeeping).",
+        LATENCY_BUCKETS,
+    ),
+    "plan_step_time_ratio": (
+        "dspark_spec_plan_step_time_ratio",
+        "Measured / predicted wall time of a planned speculative step (1 = the cost model is right).",
+        RATIO_BUCKETS,
+    ),
     "request_mean_verify_len": (
         "dspark_spec_request_verify_length_mean",
         "Per finished request: mean draft tokens verified per round (l).",
         MEAN_LEN_BUCKETS,
     ),
 }
+
+
+class ServerView(Protocol):
+    """What a scrape reads from the server's state (server/state.py; not imported here, so the
+    state module can depend on this one without a cycle)."""
+
+    @property
+    def ready(self) -> bool: ...
+
+    @property
+    def draining(self) -> bool: ...
+
+    @property
+    def in_flight(self) -> int: ...
+
+    @property
+    def backend(self) -> Backend | None: ...
 
 
 class _Collector(Collector):
@@ -163,6 +190,15 @@ def _engine_families(backend: Backend) -> Iterator[Metric]:
     for reason, n in sorted(dict(s.finished_by_reason).items()):
         fam.add_metric([reason], n)
     yield fam
+    choices = CounterMetricFamily(
+        "dspark_spec_steps",
+        "Speculative-mode steps with decoding requests, by load (decoding requests, power-of-two "
+        "bucket) and choice: plain (nothing drafted), none (drafted, no draft verified), drafts.",
+        labels=["running", "choice"],
+    )
+    for (bucket, choice), n in sorted(dict(s.spec_steps_by_choice).items()):
+        choices.add_metric([bucket, choice], n)
+    yield choices
 
     load = backend.load()
     yield _gauge("dspark_num_requests_running", "Requests in the running set.", load.running)
@@ -317,7 +353,7 @@ class Metrics:
     """The registry behind ``/metrics``. ``state`` returns the server state (ready, draining,
     backend) at scrape time; ``attach`` subscribes the histograms to a backend's statistics."""
 
-    def __init__(self, state: Callable[[], ServerState]) -> None:
+    def __init__(self, state: Callable[[], ServerView]) -> None:
         self.state = state
         self.registry = CollectorRegistry()
         self.registry.register(_Collector(self))

@@ -2,11 +2,26 @@
 
 from __future__ import annotations
 
+import json
 import time
 import uuid
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    ValidationError,
+    ValidatorFunctionWrapHandler,
+    field_validator,
+)
+
+# Per-request bounds (the schema declares them, and pydantic enforces exactly what it declares).
+MAX_STOP_STRINGS = 4  # OpenAI's limit
+MAX_STOP_CHARS = 256
+MAX_STOP_TOKEN_IDS = 256
+MAX_MESSAGES = 2048
+MAX_CONTENT_PARTS = 256
 
 
 class APIError(Exception):
@@ -35,16 +50,20 @@ class APIError(Exception):
                 "message": self.message,
                 "type": self.type,
                 "param": self.param,
-                "code": self.code if self.code is not None else self.status,
+                "code": self.code,
             }
         }
+
+    def to_bytes(self) -> bytes:
+        # ensure_ascii: messages may echo client input, which can hold lone surrogates
+        return json.dumps(self.body(), ensure_ascii=True).encode()
 
 
 class ErrorDetail(BaseModel):
     message: str
     type: str
     param: str | None = None
-    code: int | str | None = None
+    code: str | None = None
 
 
 class ErrorResponse(BaseModel):
@@ -57,6 +76,25 @@ class StreamOptions(BaseModel):
 
 
 _INT32 = 2**31 - 1
+TokenId = Annotated[int, Field(ge=0, le=_INT32)]
+StopString = Annotated[str, Field(min_length=1, max_length=MAX_STOP_CHARS)]
+_STOP_RULE = (
+    f"stop must be a non-empty string or a list of at most {MAX_STOP_STRINGS} non-empty strings, "
+    f"each at most {MAX_STOP_CHARS} characters"
+)
+_PROMPT_RULE = (
+    "prompt must be a non-empty string, a non-empty list of token ids (0 <= id < 2^31), or a list "
+    "holding exactly one of those (batched prompts are not supported)"
+)
+
+
+def _explained(value: Any, handler: ValidatorFunctionWrapHandler, rule: str) -> Any:
+    """Run the field's own validation; on failure, one sentence naming the whole rule instead of
+    pydantic's error for whichever union member it tried first."""
+    try:
+        return handler(value)
+    except ValidationError:
+        raise ValueError(rule) from None
 
 
 class _SamplingFields(BaseModel):
@@ -69,8 +107,8 @@ class _SamplingFields(BaseModel):
     top_p: float | None = Field(default=None, gt=0.0, le=1.0, allow_inf_nan=False)
     top_k: int | None = Field(default=None, ge=-1, le=_INT32, description="0 or -1: disabled")
     seed: int | None = Field(default=None, ge=-(2**63), le=2**63 - 1)
-    stop: str | list[str] | None = None
-    stop_token_ids: list[Annotated[int, Field(ge=0, le=_INT32)]] | None = None
+    stop: StopString | Annotated[list[StopString], Field(max_length=MAX_STOP_STRINGS)] | None = None
+    stop_token_ids: Annotated[list[TokenId], Field(max_length=MAX_STOP_TOKEN_IDS)] | None = None
     n: int | None = Field(
         default=1,
         description="number of choices: only 1 is supported",
@@ -91,6 +129,11 @@ class _SamplingFields(BaseModel):
             )
         return n
 
+    @field_validator("stop", mode="wrap")
+    @classmethod
+    def _stop_rule(cls, value: Any, handler: ValidatorFunctionWrapHandler) -> Any:
+        return _explained(value, handler, _STOP_RULE)
+
     def stop_list(self) -> tuple[str, ...]:
         if self.stop is None:
             return ()
@@ -106,7 +149,7 @@ class ContentPart(BaseModel):
 class ChatMessage(BaseModel):
     model_config = ConfigDict(extra="ignore", strict=True)
     role: Literal["system", "user", "assistant", "developer", "tool"]
-    content: str | list[ContentPart] | None = None
+    content: str | Annotated[list[ContentPart], Field(max_length=MAX_CONTENT_PARTS)] | None = None
     name: str | None = None
 
     def text(self) -> str:
@@ -118,16 +161,31 @@ class ChatMessage(BaseModel):
 
 
 class ChatCompletionRequest(_SamplingFields):
-    messages: list[ChatMessage] = Field(min_length=1)
+    messages: list[ChatMessage] = Field(min_length=1, max_length=MAX_MESSAGES)
     max_completion_tokens: int | None = Field(
         default=None, ge=1, description="preferred over max_tokens when both are set"
     )
 
 
 class CompletionRequest(_SamplingFields):
-    prompt: str | list[int] | list[str] | list[list[int]] = Field(
-        description="a string, a list of token ids, or a list holding exactly one of those"
-    )
+    prompt: (
+        Annotated[str, Field(min_length=1)]
+        | Annotated[list[TokenId], Field(min_length=1)]
+        | Annotated[list[Annotated[str, Field(min_length=1)]], Field(min_length=1, max_length=1)]
+        | Annotated[list[Annotated[list[TokenId], Field(min_length=1)]], Field(min_length=1, max_length=1)]
+    ) = Field(description="a string, a list of token ids, or a list holding exactly one of those")
+
+    @field_validator("prompt", mode="wrap")
+    @classmethod
+    def _prompt_rule(cls, value: Any, handler: ValidatorFunctionWrapHandler) -> Any:
+        return _explained(value, handler, _PROMPT_RULE)
+
+    def prompt_input(self) -> str | list[int]:
+        """The one prompt: text or token ids."""
+        prompt = self.prompt
+        if isinstance(prompt, list) and isinstance(prompt[0], (str, list)):
+            return prompt[0]  # type: ignore[return-value]
+        return prompt  # type: ignore[return-value]
 
 
 class SpecUsage(BaseModel):

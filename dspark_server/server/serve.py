@@ -4,9 +4,13 @@ Lifecycle:
   * start: the port opens immediately; ``/health`` is 200, ``/ready`` and ``/v1/*`` are 503 until
     the backend has been built (model load, SPS profiling) and started. A failed load exits 1.
   * SIGTERM / SIGINT: ``/ready`` turns 503 and new ``/v1/*`` requests get 503 (Retry-After) while
-    the port stays open; in-flight requests run to completion. When none is left, or after
-    ``drain_timeout_s``, uvicorn stops listening, closes connections and the process exits 0.
-    A second signal skips the wait.
+    the port stays open, as do requests still sending their body (which never count as in
+    flight); in-flight requests run to completion. After ``drain_timeout_s`` what is left is cut:
+    streams end with an error event and ``[DONE]``, JSON requests get 503. Then uvicorn stops
+    listening, closes connections and the process exits 0. A second signal skips the wait.
+  * Slow clients: headers must arrive within ``header_timeout_s``, a body within
+    ``body_timeout_s`` (guard.py), idle kept-alive connections close after ``idle_timeout_s``,
+    and at most ``max_connections`` are open at once (http_protocol.py).
 """
 
 from __future__ import annotations
@@ -24,11 +28,13 @@ import uvicorn
 from dspark_server.config import ServerConfig
 from dspark_server.engine.backend import Backend
 from dspark_server.server.app import create_app
-from dspark_server.server.guard import ServerState
+from dspark_server.server.http_protocol import protocol_class
+from dspark_server.server.state import ServerState
 
 log = logging.getLogger(__name__)
 
 DRAIN_POLL_S = 0.05
+CUT_GRACE_S = 3.0  # after the drain timeout: time for cut responses to send their last event
 
 
 class DrainingServer(uvicorn.Server):
@@ -62,9 +68,13 @@ class DrainingServer(uvicorn.Server):
         deadline = time.monotonic() + self.drain_timeout_s
         while self.state.in_flight > 0 and time.monotonic() < deadline:
             await asyncio.sleep(DRAIN_POLL_S)
-        left = deadline - time.monotonic()
         if self.state.in_flight > 0:
             log.warning("drain timeout: %d request(s) still in flight are cut off", self.state.in_flight)
+            self.state.streams_cut.set()
+            grace = time.monotonic() + CUT_GRACE_S
+            while self.state.in_flight > 0 and time.monotonic() < grace:
+                await asyncio.sleep(DRAIN_POLL_S)
+        left = max(0.0, deadline - time.monotonic())
         # uvicorn's own graceful phase: responses already complete by now, so this is short.
         # Setting should_exit (not handle_exit) leaves no captured signal for uvicorn to re-raise
         # after shutdown, so a completed drain exits 0; a second signal still ends it at once.
@@ -83,6 +93,8 @@ def run_server(make_backend: Callable[[], Backend] | Backend, cfg: ServerConfig,
         port=cfg.port,
         log_level="info",
         timeout_graceful_shutdown=max(1, int(cfg.drain_timeout_s)),
+        http=protocol_class(cfg),
+        timeout_keep_alive=cfg.idle_timeout_s,  # type: ignore[arg-type]  # call_later takes floats
     )
     server = DrainingServer(config, state, cfg.drain_timeout_s)
     holder: list[Backend] = []
