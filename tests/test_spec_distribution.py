@@ -16,7 +16,7 @@ from __future__ import annotations
 import itertools
 import time
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import pytest
@@ -101,13 +101,17 @@ def make_engine(target: Path, draft: Path, mode: str, profile: Path | None, live
     return LLMEngine(cfg)
 
 
-def sample_outputs(engine: LLMEngine, kinds: tuple[Kind, ...] = KINDS) -> dict[str, list[Outcome]]:
-    """Every kind's requests interleaved (so steps mix them), unseeded, generators from SEED."""
+def sample_outputs(
+    engine: LLMEngine, kinds: tuple[Kind, ...] = KINDS, seeded: bool = False
+) -> dict[str, list[Outcome]]:
+    """Every kind's requests interleaved (so steps mix them), generators from SEED; ``seeded``:
+    each request carries its own explicit seed instead (the keyed Gumbel-max path)."""
     torch.manual_seed(SEED)
     col = Collector()
     order = [(k, i) for i in range(max(k.count for k in kinds)) for k in kinds if i < k.count]
-    for k, i in order:
-        engine.add_request(f"{k.name}/{i}", k.prompt, k.params, col.sink(f"{k.name}/{i}"))
+    for n, (k, i) in enumerate(order):
+        params = replace(k.params, seed=SEED * 100_003 + n) if seeded else k.params
+        engine.add_request(f"{k.name}/{i}", k.prompt, params, col.sink(f"{k.name}/{i}"))
     run_all(engine)
     return {k.name: [tuple(col.tokens(f"{k.name}/{i}")) for i in range(k.count)] for k in kinds}
 
@@ -169,3 +173,22 @@ def test_joint_distribution_with_draft_gate_and_measured_costs_live(
     choices = {choice for _, choice in engine.stats.spec_steps_by_choice}
     assert {"plain", "drafts"} <= choices, engine.stats.spec_steps_by_choice
     assert engine.stats.spec_accepted_tokens > 0
+
+
+@pytest.mark.parametrize("mode", ["off", "fixed", "dspark"])
+def test_seeded_requests_sample_plain_distribution_by_coupled_verification(
+    pair: tuple[Path, Path], exact: dict[str, dict[Outcome, float]], sps_profile: Path, mode: str
+) -> None:
+    """Requests with explicit seeds draw by keyed Gumbel-max (plain) and verify by coupling
+    (speculative): over many seeds their outputs still follow plain sampling's distribution."""
+    target, draft = pair
+    if mode == "off":
+        engine = LLMEngine(
+            EngineConfig(model_dir=str(target), dtype="float64", max_running=512, max_model_len=32)
+        )
+    else:
+        engine = make_engine(target, draft, mode, sps_profile if mode == "dspark" else None)
+    check_against_exact(sample_outputs(engine, seeded=True), exact, f"seeded {mode}")
+    if mode != "off":
+        st = engine.stats
+        assert 0.2 < st.spec_accepted_tokens / st.spec_verified_tokens < 0.8

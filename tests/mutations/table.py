@@ -29,6 +29,9 @@ class Mutation:
 
 DIST = "tests/test_spec_distribution.py::test_joint_distribution_of_first_tokens_equals_plain_sampling"
 CAUSAL = "tests/test_spec_causality.py"
+SEEDED = (
+    "tests/test_spec_distribution.py::test_seeded_requests_sample_plain_distribution_by_coupled_verification"
+)
 ENGINE = "dspark_server/engine/**/*.py"
 
 MUTATIONS: tuple[Mutation, ...] = (
@@ -114,5 +117,20 @@ MUTATIONS: tuple[Mutation, ...] = (
             ),
         ),
         (f"{DIST}[fixed]",),
+    ),
+    Mutation(
+        "seeded-emits-draft",
+        "coupled verification of a seeded request emits its draft at the first mismatch",
+        (Edit(ENGINE, "    return n, draws[n]\n", "    return n, (drafts + draws)[n]\n"),),
+        (
+            f"{SEEDED}[fixed]",
+            "tests/test_spec_scheduling.py::test_seeded_requests_emit_the_same_tokens_in_every_mode_and_load",
+        ),
+    ),
+    Mutation(
+        "seeded-noise-unkeyed",
+        "a seeded request's noise ignores the output position (one Gumbel vector for all tokens)",
+        (Edit("dspark_server/engine/noise.py", "(key.position + 1) * _MIX_B", "_MIX_B"),),
+        (f"{SEEDED}[off]",),
     ),
 )
