@@ -15,7 +15,14 @@ from dspark_server.engine.request import SamplingParams
 from dspark_server.engine.sampling import SamplingTensors, shape_probs
 from dspark_server.engine.spec.drafting import Drafts
 from dspark_server.models.attention import DenseCausalAttention
-from dspark_server.planner import StsCalibration, save_sts_calibration
+from dspark_server.planner import (
+    CalibrationSet,
+    RegimeCalibration,
+    StsCalibration,
+    SurvivalMap,
+    save_calibration_set,
+    save_sts_calibration,
+)
 from dspark_server.testing.tiny import build_tiny_drafter, build_tiny_model
 
 MODES = ("fixed", "threshold", "dspark")
@@ -289,14 +296,35 @@ def test_temperature_zero_rows_are_planned_with_the_greedy_calibration(
         return LLMEngine(EngineConfig(model_dir=str(target), draft_dir=str(draft), spec=spec))
 
     raw = torch.tensor([[1.0, -1.0, 2.0, 0.5]] * 2)
-    greedy_rows = torch.tensor([True, False])
+    temperatures = torch.tensor([0.0, 0.7])  # a greedy row and a sampled one
     with_file = engine(str(greedy_file)).spec
     assert with_file is not None
-    conf = with_file.calibrate(raw, greedy_rows)
-    assert torch.allclose(conf[0], torch.sigmoid(raw[0] / torch.tensor([0.5, 0.5, 2.0, 2.0])))
-    assert torch.allclose(conf[1], torch.sigmoid(raw[1]))  # sampled rows: the (identity) sampled STS
+    conf = with_file.calibrate(raw, temperatures)
+    assert torch.allclose(conf[0], torch.sigmoid(raw[0] / torch.tensor([0.5, 0.5, 2.0, 2.0])), atol=1e-6)
+    assert torch.allclose(conf[1], torch.sigmoid(raw[1]), atol=1e-6)  # sampled: the (identity) STS
     without = engine(None).spec  # no greedy file: every row by the sampled STS
     assert without is not None
-    assert torch.allclose(without.calibrate(raw, greedy_rows), torch.sigmoid(raw))
+    assert torch.allclose(without.calibrate(raw, temperatures), torch.sigmoid(raw), atol=1e-6)
     with pytest.raises(FileNotFoundError):
         engine(str(tmp_path / "missing.json"))
+
+
+def test_rows_are_planned_with_the_regime_of_their_sampling_temperature(
+    pair: tuple[Path, Path], tmp_path: Path
+) -> None:
+    target, draft = pair
+    survivals = {0.0: (0.9, 0.8, 0.7, 0.6), 0.5: (0.6, 0.3, 0.2, 0.1), 1.0: (0.4, 0.2, 0.1, 0.05)}
+    regimes = [  # constant survival per regime (one knot per position)
+        RegimeCalibration(t, (1.0,) * 4, SurvivalMap(((0.0,),) * 4, tuple((s,) for s in surv)))
+        for t, surv in survivals.items()
+    ]
+    cal_file = tmp_path / "cal.json"
+    save_calibration_set(CalibrationSet(tuple(regimes)), cal_file)
+    spec = SpeculativeConfig(mode="fixed", calibration_path=str(cal_file))
+    decoder = LLMEngine(EngineConfig(model_dir=str(target), draft_dir=str(draft), spec=spec)).spec
+    assert decoder is not None
+    raw = torch.randn(4, 4)
+    survival = torch.cumprod(decoder.calibrate(raw, torch.tensor([0.0, 0.5, 1.0, 0.75])), dim=1)
+    halfway = [(a + b) / 2 for a, b in zip(survivals[0.5], survivals[1.0], strict=True)]
+    want = torch.tensor([survivals[0.0], survivals[0.5], survivals[1.0], halfway])
+    assert torch.allclose(survival, want, atol=1e-6)

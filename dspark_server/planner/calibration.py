@@ -298,14 +298,12 @@ class RegimeCalibration:
         for key in lists:
             if not isinstance(data.get(key, []), list):
                 raise ValueError(f"calibration regime: {key!r} must be a list, got {data[key]!r}")
-        fields: dict[str, Any] = {key: tuple(data.get(key, [])) for key in lists}
-        for k in ("survival_map", "capped_map"):
-            v = data.get(k)
-            fields[k] = None if v is None else SurvivalMap.from_dict(v)
+        maps = {k: data.get(k) for k in ("survival_map", "capped_map")}
         return cls(
             sampling_temperature=data["sampling_temperature"],
+            **{k: None if v is None else SurvivalMap.from_dict(v) for k, v in maps.items()},
             num_samples=data.get("num_samples", 0),
-            **fields,
+            **{key: tuple(data.get(key, [])) for key in lists},
         )
 
 
@@ -349,6 +347,11 @@ class CalibrationSet:
     @classmethod
     def from_sts(cls, sts: StsCalibration, sampling_temperature: float) -> CalibrationSet:
         return cls((RegimeCalibration.from_sts(sts, sampling_temperature),))
+
+    @classmethod
+    def coerce(cls, cal: StsCalibration | CalibrationSet, sampling_temperature: float) -> CalibrationSet:
+        """A set as it is; a plain STS calibration as one regime keyed ``sampling_temperature``."""
+        return cal if isinstance(cal, CalibrationSet) else cls.from_sts(cal, sampling_temperature)
 
     def regime(self, sampling_temperature: float) -> RegimeCalibration | None:
         """The regime keyed exactly ``sampling_temperature``, if any."""

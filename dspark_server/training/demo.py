@@ -41,6 +41,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--draft-steps", type=int, default=1200)
     p.add_argument("--draft-minutes", type=float, default=45)
     p.add_argument("--install", action="store_true", help="copy the results into the package assets")
+    p.add_argument(
+        "--calibration-prompts-only",
+        action="store_true",
+        help="stop after writing WORK/calibration_prompts.jsonl (held-out corpus split)",
+    )
     a = p.parse_args(argv)
 
     from dspark_server.training import corpus, distill, draft_train, target_train, tokenizer_train
@@ -48,6 +53,9 @@ def main(argv: list[str] | None = None) -> int:
     work = Path(a.work)
     target_dir, draft_dir = work / "demo_target", work / "demo_draft"
     _stage("corpus", work / "corpus" / "manifest.json", lambda: corpus.main(["--out", str(work / "corpus")]))
+    if a.calibration_prompts_only:
+        print(f"[demo] wrote {calibration_prompts(work)}", file=sys.stderr)
+        return 0
     _stage(
         "tokenizer",
         work / "tokenizer" / "tokenizer.json",
@@ -146,11 +154,12 @@ def main(argv: list[str] | None = None) -> int:
             ]
         ),
     )
-    _stage(
-        "calibration",
-        draft_dir / "sts_calibration.json",
-        lambda: _calibrate(work, target_dir, draft_dir, 1.0, "sts_calibration.json"),
-    )
+    for t in CALIBRATION_REGIMES:  # each run adds its regime to the file
+        _stage(
+            f"calibration at temperature {t:g}",
+            draft_dir / f"sts_calibration.t{t:g}.png",
+            lambda t=t: _calibrate(work, target_dir, draft_dir, t, "sts_calibration.json"),
+        )
     _stage(
         "greedy calibration",
         draft_dir / "sts_calibration_greedy.json",
@@ -164,8 +173,15 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-def calibration_prompts(work: Path, limit: int = 200) -> Path:
-    """User turns built from the corpus's HELD-OUT split (never the evaluation prompts)."""
+CALIBRATION_PROMPT_SEEDS = tuple(range(1, 9))
+
+
+def calibration_prompts(
+    work: Path, limit: int | None = None, seeds: tuple[int, ...] = CALIBRATION_PROMPT_SEEDS
+) -> Path:
+    """User turns built from the corpus's HELD-OUT split (never the evaluation prompts), distinct:
+    those of ``build_samples(seed=seeds[0])`` shuffled, then the new ones of each further seed (other
+    windows and templates over the same held-out documents). Seeds 1..8 give 711 prompts."""
     import random
 
     from dspark_server.training.chat_format import build_samples
@@ -173,13 +189,20 @@ def calibration_prompts(work: Path, limit: int = 200) -> Path:
     from dspark_server.training.distill import user_turn
 
     docs = read_jsonl(work / "corpus" / "heldout.jsonl")
-    turns = [t for s in build_samples(docs, seed=1) if (t := user_turn(s))]
-    random.Random(0).shuffle(turns)
+    seen: dict[str, None] = {}
+    for i, seed in enumerate(seeds):
+        turns = [t for s in build_samples(docs, seed=seed) if (t := user_turn(s))]
+        if i == 0:
+            random.Random(0).shuffle(turns)
+        seen.update(dict.fromkeys(turns))
     out = work / "calibration_prompts.jsonl"
     with out.open("w") as f:
-        for t in turns[:limit]:
+        for t in list(seen)[:limit]:
             f.write(json.dumps({"turns": [t]}) + "\n")
     return out
+
+
+CALIBRATION_REGIMES = (0.0, 0.3, 0.7, 1.0)  # sampling temperatures with a calibration each
 
 
 def _calibrate(work: Path, target_dir: Path, draft_dir: Path, temperature: float, name: str) -> None:
@@ -189,10 +212,13 @@ def _calibrate(work: Path, target_dir: Path, draft_dir: Path, temperature: float
 
     prompts = calibration_prompts(work)
     engine = EngineConfig(
-        model_dir=str(target_dir), draft_dir=str(draft_dir), spec=SpeculativeConfig(mode="fixed")
+        model_dir=str(target_dir),
+        draft_dir=str(draft_dir),
+        spec=SpeculativeConfig(mode="fixed"),
+        num_threads=1,
     )
     gen = GenerateConfig(
-        prompts=str(prompts), max_tokens=128, temperature=temperature, seed=0, concurrency=16
+        prompts=str(prompts), max_tokens=256, temperature=temperature, seed=0, concurrency=16
     )
     run_calibration(CalibrateConfig(engine=engine, generate=gen, out=str(draft_dir / name)))
 

@@ -38,6 +38,7 @@ from dspark_server.models.attention import KVPool
 from dspark_server.models.drafter import DraftContext, DSparkDrafter
 from dspark_server.planner import (
     CalibrationDriftTracker,
+    CalibrationSet,
     LiveSpsTable,
     SpsCostTable,
     StsCalibration,
@@ -82,30 +83,26 @@ class SpeculativeDecoder:
         drafter: DSparkDrafter,
         pool: KVPool,
         planner: VerifyPlanner,
-        calibration: StsCalibration,
+        calibration: StsCalibration | CalibrationSet,
         live_sps: LiveSpsTable | None,
         drift: CalibrationDriftTracker,
         gamma: int,
         gate: DraftGate | None = None,
         overhead: StepOverhead | None = None,
-        greedy_calibration: StsCalibration | None = None,
+        greedy_calibration: StsCalibration | CalibrationSet | None = None,
     ) -> None:
         if not 1 <= gamma <= drafter.gamma:
             raise ValueError(f"gamma must be in 1..{drafter.gamma} (the drafter's block size), got {gamma}")
-        for cal in (calibration, greedy_calibration or calibration):
-            if cal.gamma < gamma:
-                raise ValueError(f"calibration covers {cal.gamma} positions, gamma is {gamma}")
         self.drafter = drafter
         self.pool = pool
         self.planner = planner
-        self.calibration = StsCalibration(temperatures=calibration.temperatures[:gamma])
-        # Temperature-0 requests accept a draft when it equals the argmax, far more often than
-        # rejection sampling at temperature 1 does: they get their own temperatures when fitted.
-        self.greedy_calibration = (
-            self.calibration
-            if greedy_calibration is None
-            else StsCalibration(temperatures=greedy_calibration.temperatures[:gamma])
-        )
+        # Acceptance depends on the sampling regime (argmax agreement at temperature 0): each row
+        # is calibrated by the regime of its temperature (planner/calibration.py); a greedy file
+        # overrides the greedy regime. The STS views below are for records only.
+        greedy = None if greedy_calibration is None else CalibrationSet.coerce(greedy_calibration, 0.0)
+        self.calibrations = CalibrationSet.coerce(calibration, 1.0).with_greedy(greedy).truncated(gamma)
+        self.calibration = self.calibrations.nearest(1.0).sts()
+        self.greedy_calibration = self.calibrations.nearest(0.0).sts()
         self.live_sps = live_sps
         self.drift = drift
         self.gamma = gamma
@@ -213,7 +210,7 @@ class SpeculativeDecoder:
         confidences = survival = None
         predicted: float | None = None
         if drafts.confidence_logits is not None:
-            confidences = self.calibrate(drafts.confidence_logits, sampling.temperature == 0)
+            confidences = self.calibrate(drafts.confidence_logits, sampling.temperature)
             survival = torch.cumprod(confidences, dim=1)
             self._refresh_sps_table()
             if self.overhead is not None:
@@ -323,13 +320,9 @@ class SpeculativeDecoder:
 
     # ---- calibration and cost table ----------------------------------------------------------
 
-    def calibrate(self, confidence_logits: torch.Tensor, greedy_rows: torch.Tensor) -> torch.Tensor:
-        """Raw confidence logits [R, γ] -> calibrated confidences, greedy rows by their own STS."""
-        sampled = self.calibration.apply(confidence_logits)
-        if not bool(greedy_rows.any()) or self.greedy_calibration is self.calibration:
-            return sampled
-        greedy = self.greedy_calibration.apply(confidence_logits)
-        return torch.where(greedy_rows[:, None], greedy, sampled)
+    def calibrate(self, confidence_logits: torch.Tensor, temperatures: torch.Tensor) -> torch.Tensor:
+        """Raw confidence logits [R, γ], sampling temperatures [R] -> calibrated confidences."""
+        return self.calibrations.apply(confidence_logits, temperatures)
 
     def _planning_table(self, table: SpsCostTable) -> SpsCostTable:
         """Measured-cost planning (overhead priced) also plans on the roofline fitted to the probes

@@ -15,12 +15,12 @@ from dspark_server.engine.spec.step_overhead import StepOverhead
 from dspark_server.models.drafter_checkpoint import load_drafter
 from dspark_server.planner import (
     CalibrationDriftTracker,
+    CalibrationSet,
     LiveSpsTable,
     PlannerConfig,
     SpsCostTable,
-    StsCalibration,
+    load_calibration_set,
     load_sps_table,
-    load_sts_calibration,
     make_planner,
     save_sps_table,
 )
@@ -61,28 +61,31 @@ def build_speculative(cfg: EngineConfig, runner: ModelRunner) -> SpeculativeDeco
     )
 
 
-def _calibration_file(explicit: str | None, draft_dir: str | None, name: str) -> StsCalibration | None:
-    """The explicit file (which must exist), else ``name`` next to the drafter, else None."""
+def _calibration_file(
+    explicit: str | None, draft_dir: str | None, name: str, default_regime: float
+) -> CalibrationSet | None:
+    """The explicit file (which must exist), else ``name`` next to the drafter, else None. A plain
+    STS file (no per-regime extension) becomes one regime keyed ``default_regime``."""
     path = Path(explicit) if explicit else Path(draft_dir or "") / name
     if path.is_file():
-        return load_sts_calibration(path)
+        return load_calibration_set(path, default_regime)
     if explicit:
         raise FileNotFoundError(f"calibration file {explicit} does not exist")
     return None
 
 
-def resolve_calibration(cfg: EngineConfig, block: int) -> StsCalibration:
-    found = _calibration_file(cfg.spec.calibration_path, cfg.draft_dir, CALIBRATION_FILE)
+def resolve_calibration(cfg: EngineConfig, block: int) -> CalibrationSet:
+    found = _calibration_file(cfg.spec.calibration_path, cfg.draft_dir, CALIBRATION_FILE, 1.0)
     if found is None:
         log.warning("no STS calibration next to the drafter (%s): using raw confidences", cfg.draft_dir)
-        return StsCalibration.identity(block)
+        return CalibrationSet.identity(block)
     return found
 
 
-def resolve_greedy_calibration(cfg: EngineConfig) -> StsCalibration | None:
+def resolve_greedy_calibration(cfg: EngineConfig) -> CalibrationSet | None:
     """--greedy-calibration, else the drafter's sts_calibration_greedy.json, else None (greedy
-    requests then use the sampling calibration)."""
-    return _calibration_file(cfg.spec.greedy_calibration_path, cfg.draft_dir, GREEDY_CALIBRATION_FILE)
+    requests then use the greedy regime of the sampling calibration, else its lowest regime)."""
+    return _calibration_file(cfg.spec.greedy_calibration_path, cfg.draft_dir, GREEDY_CALIBRATION_FILE, 0.0)
 
 
 def resolve_sps_table(cfg: EngineConfig, runner: ModelRunner) -> SpsCostTable:
