@@ -94,11 +94,12 @@ def test_float64_and_unsupported_shapes_fall_back(impl: str) -> None:
 
 @pytest.mark.parametrize("impl", IMPLS)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_draft_blocks_with_empty_context(impl: str, dtype: torch.dtype) -> None:
-    """The drafter's layout: every query of a block sees its context (possibly none) and, merged
-    by log-sum-exp, its own block bidirectionally."""
+@pytest.mark.parametrize("blk", [5, 17])
+def test_draft_blocks_see_context_and_their_own_block(impl: str, dtype: torch.dtype, blk: int) -> None:
+    """The drafter's layout: every query of block r sees its context (possibly none) and, through
+    ``extra``, its own block's new keys bidirectionally (17 > the kernel's 16-row tiles)."""
     g = torch.Generator().manual_seed(3)
-    r, blk, hq, hkv, d = 3, 5, 4, 2, 64
+    r, hq, hkv, d = 3, 4, 2, 64
     kc = torch.randn(200, hkv, d, generator=g).to(dtype)
     vc = torch.randn(200, hkv, d, generator=g).to(dtype)
     lens = torch.tensor([0, 17, 40])
@@ -107,20 +108,40 @@ def test_draft_blocks_with_empty_context(impl: str, dtype: torch.dtype) -> None:
     ).slots
     layout = PagedLayout.blocks(slots, lens, blk)
     q = torch.randn(r * blk, hq, d, generator=g).to(dtype)
-    k = torch.randn(r, blk, hkv, d, generator=g).to(dtype)
-    v = torch.randn(r, blk, hkv, d, generator=g).to(dtype)
-    out_c, lse_c = paged_attend(q, kc, vc, layout, impl, want_lse=True)
-    assert lse_c is not None
-    out_b, lse_b = block_attention(q.view(r, blk, hq, d), k, v)
-    got = merge_attention(out_c.view(out_b.shape), lse_c.view(lse_b.shape), out_b, lse_b)
-    # reference: keys = [context of r; block r], all visible
-    for i in range(r):
-        s = slots[i, : int(lens[i])]
-        kk = torch.cat([kc[s], k[i]]).double().transpose(0, 1).repeat_interleave(hq // hkv, 0)
-        vv = torch.cat([vc[s], v[i]]).double().transpose(0, 1).repeat_interleave(hq // hkv, 0)
-        qq = q[i * blk : (i + 1) * blk].double().transpose(0, 1)
-        ref = ((qq @ kk.transpose(1, 2) * d**-0.5).softmax(-1) @ vv).transpose(0, 1)
-        torch.testing.assert_close(got[i].double(), ref, atol=TOL[dtype], rtol=TOL[dtype])
+    k = torch.randn(r * blk, hkv, d, generator=g).to(dtype)
+    v = torch.randn(r * blk, hkv, d, generator=g).to(dtype)
+    got, lse = paged_attend(q, kc, vc, layout, impl, want_lse=True, extra=(k, v))
+    assert lse is not None and got.dtype == dtype
+    for i in range(r):  # reference: keys = [context of i; block i], all visible
+        s, rows = slots[i, : int(lens[i])], slice(i * blk, (i + 1) * blk)
+        kk = torch.cat([kc[s], k[rows]]).double().transpose(0, 1).repeat_interleave(hq // hkv, 0)
+        vv = torch.cat([vc[s], v[rows]]).double().transpose(0, 1).repeat_interleave(hq // hkv, 0)
+        sc = q[rows].double().transpose(0, 1) @ kk.transpose(1, 2) * d**-0.5
+        ref = (sc.softmax(-1) @ vv).transpose(0, 1)
+        torch.testing.assert_close(
+            got[rows].double(), ref.to(dtype).double(), atol=TOL[dtype], rtol=TOL[dtype]
+        )
+        ref_lse = torch.logsumexp(sc, -1).transpose(0, 1)
+        torch.testing.assert_close(lse[rows].double(), ref_lse, atol=TOL[dtype], rtol=TOL[dtype])
+
+
+def test_merge_attention_is_softmax_over_the_union() -> None:
+    g = torch.Generator().manual_seed(4)
+    q, k, v = (
+        torch.randn(2, 3, 16, generator=g),
+        torch.randn(9, 16, generator=g),
+        torch.randn(9, 16, generator=g),
+    )
+    parts = []
+    for sl in (slice(0, 4), slice(4, 9)):
+        sc = q @ k[sl].T
+        parts.append((sc.softmax(-1) @ v[sl], torch.logsumexp(sc, -1)))
+    got = merge_attention(parts[0][0], parts[0][1], parts[1][0], parts[1][1])
+    torch.testing.assert_close(got, (q @ k.T).softmax(-1) @ v, atol=1e-6, rtol=1e-6)
+    out_b, lse_b = block_attention(
+        q[None], k[None, :2, None].expand(1, 2, 3, 16), v[None, :2, None].expand(1, 2, 3, 16)
+    )
+    assert out_b.shape == (1, 2, 3, 16) and lse_b.shape == (1, 2, 3)
 
 
 @pytest.mark.parametrize("impl", ["kernel", "torch", "auto"])

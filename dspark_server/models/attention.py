@@ -65,6 +65,10 @@ class KVPool:
         self.impl = impl or default_impl()
         if self.impl not in ATTENTION_IMPLS:
             raise ValueError(f"attention impl {self.impl!r}: expected one of {ATTENTION_IMPLS}")
+        if self.impl in ("auto", "kernel"):
+            kernel = load_kernel()  # built (or read from the cache) now, at start-up, not in a request
+            if kernel is None and self.impl == "kernel":
+                raise RuntimeError("attention impl 'kernel' requested but the C++ kernel could not be built")
 
     @property
     def num_slots(self) -> int:
@@ -87,19 +91,47 @@ def paged_attend(
     layout: PagedLayout,
     impl: str = "auto",
     want_lse: bool = False,
+    extra: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Attention of q [T, Hq, D] over the keys ``layout`` assigns each row, read in place from
     caches [S, Hkv, D] -> out [T, Hq, D] and, if asked, log-sum-exp [T, Hq] (float32; -inf or a
-    very negative number for a row that sees no key, whose output is then 0)."""
+    very negative number for a row that sees no key, whose output is then 0).
+
+    ``extra`` = (k, v) [T, Hkv, D]: each query of a sequence also sees, unmasked, the k / v rows
+    of that sequence's own queries (the drafter's block, bidirectional inside itself); the
+    PyTorch path needs every sequence to have the same number of queries then."""
     if impl in ("auto", "kernel"):
         lib = load_kernel()
         if lib is None and impl == "kernel":
             raise RuntimeError("attention impl 'kernel' requested but the C++ kernel could not be built")
         if lib is not None and kernel_supports(q, k_cache):
-            return kernel_attention(lib, q, k_cache, v_cache, layout, want_lse)
+            return kernel_attention(lib, q, k_cache, v_cache, layout, want_lse, extra)
     elif impl != "torch":
         raise ValueError(f"paged_attend does not run impl {impl!r}")
-    return torch_attention(q, k_cache, v_cache, layout, want_lse)
+    out, lse = torch_attention(q, k_cache, v_cache, layout, want_lse or extra is not None)
+    if extra is None:
+        return out, lse
+    return _with_own_block(q, out, lse, extra, layout, want_lse)
+
+
+def _with_own_block(
+    q: torch.Tensor,
+    out: torch.Tensor,
+    lse: torch.Tensor | None,
+    extra: tuple[torch.Tensor, torch.Tensor],
+    layout: PagedLayout,
+    want_lse: bool,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The PyTorch path's ``extra``: merge the pool part (out, lse) with each block's own keys."""
+    assert lse is not None
+    r, g = layout.num_seqs, layout.q_lens[0]
+    if any(n != g for n in layout.q_lens):
+        raise ValueError("extra keys on the PyTorch path need equal query counts per sequence")
+    k, v = (x.view(r, g, *x.shape[1:]) for x in extra)
+    out_b, lse_b = block_attention(q.view(r, g, *q.shape[1:]), k, v)
+    lse_a = lse.view(lse_b.shape).to(lse_b.dtype)
+    merged = merge_attention(out.view(out_b.shape), lse_a, out_b, lse_b).reshape(q.shape).to(q.dtype)
+    return merged, torch.logaddexp(lse_a, lse_b).reshape(lse.shape).float() if want_lse else None
 
 
 def block_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

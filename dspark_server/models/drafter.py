@@ -211,7 +211,7 @@ class DSparkDrafter(nn.Module):
             attends = gather_attends(pool, ctx.slots, ctx.lens, r, g, (hq, hkv, d), len(self.layers))
         else:
             layout = PagedLayout.blocks(ctx.slots, ctx.lens, g)
-            attends = [paged_block_attend(pool, i, layout, r, g) for i in range(len(self.layers))]
+            attends = [paged_block_attend(pool, i, layout) for i in range(len(self.layers))]
         for layer, attend in zip(self.layers, attends, strict=True):
             x = layer(x, cos, sin, attend)
         h = self.norm(x).view(r, g, -1)

@@ -8,25 +8,19 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 
-from dspark_server.models.attention import KVPool, block_attention, merge_attention, paged_attend
+from dspark_server.models.attention import KVPool, paged_attend
 from dspark_server.models.attention_gather import contiguous_range, gather_slots
 from dspark_server.models.paged_layout import PagedLayout
 
 Attend = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
 
 
-def paged_block_attend(pool: KVPool, layer: int, layout: PagedLayout, r: int, g: int) -> Attend:
-    """Draft layer ``layer``: context keys read in place from the pool, merged by log-sum-exp with
-    bidirectional attention inside each request's block of g new tokens."""
+def paged_block_attend(pool: KVPool, layer: int, layout: PagedLayout) -> Attend:
+    """Draft layer ``layer``: context keys read in place from the pool (``layout``: each block's
+    queries and its context slots) plus the block's own new keys, unmasked."""
 
     def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        out_c, lse_c = paged_attend(q, pool.k[layer], pool.v[layer], layout, pool.impl, want_lse=True)
-        assert lse_c is not None
-        out_b, lse_b = block_attention(
-            q.view(r, g, *q.shape[1:]), k.view(r, g, *k.shape[1:]), v.view(r, g, *v.shape[1:])
-        )
-        out = merge_attention(out_c.view(out_b.shape), lse_c.view(lse_b.shape).to(lse_b.dtype), out_b, lse_b)
-        return out.reshape(q.shape).to(q.dtype)
+        return paged_attend(q, pool.k[layer], pool.v[layer], layout, pool.impl, extra=(k, v))[0]
 
     return attend
 

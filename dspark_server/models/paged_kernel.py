@@ -55,10 +55,17 @@ def build(compiler: str, extra_flags: tuple[str, ...] = ()) -> Path:
     src = SOURCE.read_bytes()
     version = subprocess.run([compiler, "--version"], capture_output=True, text=True, check=True).stdout
     key = hashlib.sha256(b"\0".join([src, " ".join(flags).encode(), version.encode(), _cpu_id().encode()]))
-    out = _cache_dir() / f"paged_attention_{key.hexdigest()[:16]}.so"
+    name = f"paged_attention_{key.hexdigest()[:16]}.so"
+    out = _cache_dir() / name
     if out.is_file():
         return out
-    out.parent.mkdir(parents=True, exist_ok=True)
+    try:
+        out.parent.mkdir(parents=True, exist_ok=True)
+    except OSError:  # e.g. a read-only home in a container
+        out = Path(tempfile.gettempdir()) / "dspark_server_kernels" / name
+        if out.is_file():
+            return out
+        out.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(suffix=".so", dir=out.parent)
     os.close(fd)
     try:
@@ -91,25 +98,9 @@ def open_kernel(path: Path) -> ctypes.CDLL:
     lib = ctypes.CDLL(str(path))
     fn = lib.dspark_paged_attention
     fn.restype = ctypes.c_int
-    fn.argtypes = [
-        ctypes.c_int,
-        _P,
-        _P,
-        _P,
-        _P,
-        _I,
-        _P,
-        _P,
-        _P,
-        _I,
-        _I,
-        _I,
-        _I,
-        ctypes.c_float,
-        _P,
-        _P,
-        ctypes.c_int,
-    ]
+    # dtype; q, kc, vc, slots; kmax; q_start, q_len, kv_limit, kx, vx; nseq, hq, hkv, d; scale; out, lse;
+    # threads
+    fn.argtypes = [ctypes.c_int, *[_P] * 4, _I, *[_P] * 5, *[_I] * 4, ctypes.c_float, _P, _P, ctypes.c_int]
     return lib
 
 
@@ -131,13 +122,22 @@ def kernel_attention(
     v_cache: torch.Tensor,
     layout: PagedLayout,
     want_lse: bool = False,
+    extra: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """q [T, Hq, D], caches [S, Hkv, D] -> out [T, Hq, D] (and log-sum-exp [T, Hq] float32)."""
+    """q [T, Hq, D], caches [S, Hkv, D] -> out [T, Hq, D] (and log-sum-exp [T, Hq] float32).
+
+    ``extra`` = (k, v) [T, Hkv, D]: every query of sequence r also sees the rows of its own query
+    rows in k / v, unmasked (the drafter's block attending to itself bidirectionally)."""
     if not kernel_supports(q, k_cache):
         raise ValueError(f"kernel does not support q {q.dtype} {tuple(q.shape)}, cache {k_cache.dtype}")
     q = q.contiguous()
     if not (k_cache.is_contiguous() and v_cache.is_contiguous()):
         raise ValueError("KV caches must be contiguous")
+    kx = vx = None
+    if extra is not None:
+        kx, vx = (x.to(q.dtype).contiguous() for x in extra)
+        if kx.shape != (q.shape[0], *k_cache.shape[1:]) or vx.shape != kx.shape:
+            raise ValueError(f"extra keys must be [T, Hkv, D], got {tuple(kx.shape)}")
     t, hq, d = q.shape
     out = torch.empty_like(q)
     lse = torch.empty(t, hq, dtype=torch.float32) if want_lse else None
@@ -151,6 +151,8 @@ def kernel_attention(
         layout.q_start.data_ptr(),
         layout.q_len.data_ptr(),
         layout.kv_limit.data_ptr(),
+        kx.data_ptr() if kx is not None else None,
+        vx.data_ptr() if vx is not None else None,
         layout.num_seqs,
         hq,
         k_cache.shape[1],

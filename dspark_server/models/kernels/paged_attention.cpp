@@ -7,8 +7,10 @@
 // for the drafter's block). One work item is (sequence, kv head, tile of query rows): every query
 // head of the GQA group and every row of the tile are scored against a block of keys at a time,
 // with an online softmax, so no per-sequence copy of the history is ever made. Accumulation is in
-// float32 for both float32 and bfloat16 pools. Built once (g++ -O3 -march=native -fopenmp) and
-// called through ctypes; see paged_kernel.py.
+// float32 for both float32 and bfloat16 pools. With kx / vx (the drafter's block), each query of
+// sequence r also sees, unmasked, the new keys kx/vx rows q_start[r] .. q_start[r] + q_len[r]: its
+// own block, bidirectionally. Built once (g++ -O3 -march=native -fopenmp) and called through
+// ctypes; see paged_kernel.py.
 #include <math.h>
 #include <stdint.h>
 #include <stdlib.h>
@@ -23,6 +25,24 @@ namespace {
 constexpr int64_t kTile = 16;   // query rows per work item
 constexpr int64_t kBlock = 16;  // keys per online-softmax update (one AVX-512 vector of scores)
 constexpr float kNegBig = -1e30f;
+
+template <typename T>
+struct Args {
+  const T* q;             // [T, hq, D]
+  const T* kc;            // [S, hkv, D] the layer's pool
+  const T* vc;
+  const int64_t* slots;   // [nseq, kmax]
+  int64_t kmax;
+  const int64_t* q_start;  // [nseq]
+  const int64_t* q_len;    // [nseq]
+  const int64_t* kv_limit;  // [T]
+  const T* kx;            // [T, hkv, D] or null: extra keys / values, see above
+  const T* vx;
+  int64_t nseq, hq, hkv;
+  float scale;
+  T* out;                 // [T, hq, D]
+  float* lse;             // [T, hq] or null
+};
 
 inline float load(const float* p, int64_t i) { return p[i]; }
 inline float load(const uint16_t* p, int64_t i) {
@@ -64,9 +84,10 @@ struct KeyBlock {
   alignas(64) float zeros[D] = {};
   const float* kp[kBlock];
   const float* vp[kBlock];
-  void fill(const T* kc, const T* vc, const int64_t* slots, int64_t n, int64_t hkv, int64_t h) {
+  // Rows slots[j] (or first + j when slots is null) of kc / vc, for j < n.
+  void fill(const T* kc, const T* vc, const int64_t* slots, int64_t first, int64_t n, int64_t hkv, int64_t h) {
     for (int64_t j = 0; j < n; ++j) {
-      const int64_t off = (slots[j] * hkv + h) * D;
+      const int64_t off = ((slots ? slots[j] : first + j) * hkv + h) * D;
       if constexpr (sizeof(T) == sizeof(float)) {
         kp[j] = reinterpret_cast<const float*>(kc) + off;
         vp[j] = reinterpret_cast<const float*>(vc) + off;
@@ -175,62 +196,74 @@ inline void pv(Item& it, int64_t qv0, const float* const* vp, int64_t n) {
 }
 #endif
 
+// One block of n keys: query vector qv sees its first min(lim[qv] - kb, n) (all n when kb < 0).
 template <typename T, int64_t D>
-void key_loop(Item& it, const T* kc, const T* vc, const int64_t* slots, int64_t kend, int64_t hkv, int64_t h) {
-  KeyBlock<T, D> blk;
+void process_block(Item& it, const KeyBlock<T, D>& blk, int64_t n, int64_t kb) {
   alignas(64) float s[kBlock];
-  for (int64_t kb = 0; kb < kend; kb += kBlock) {
-    const int64_t n = kend - kb < kBlock ? kend - kb : kBlock;
-    blk.fill(kc, vc, slots + kb, n, hkv, h);
-    for (int64_t qv = 0; qv < it.nv; ++qv) {
-      int64_t nvis = it.lim[qv] - kb;
-      nvis = nvis < 0 ? 0 : (nvis > n ? n : nvis);
-      if (nvis == 0) {  // nothing visible in this block (a causal row of a prefill tile)
-        for (int64_t j = 0; j < kBlock; ++j) it.p[qv * kBlock + j] = 0.f;
-        continue;
-      }
-#ifdef __AVX512F__
-      if constexpr (D % 16 == 0) {
-        scores<D>(it.q + qv * D, blk.kp, s);
-        softmax_update_avx512<D>(it, qv, s, nvis);
-        continue;
-      }
-#endif
-      const float* qq = it.q + qv * D;
-      for (int64_t j = 0; j < kBlock; ++j) {
-        float dot = 0.f;
-#pragma omp simd reduction(+ : dot)
-        for (int64_t d = 0; d < D; ++d) dot += qq[d] * blk.kp[j][d];
-        s[j] = dot;
-      }
-      softmax_update<D>(it, qv, s, nvis);
+  for (int64_t qv = 0; qv < it.nv; ++qv) {
+    int64_t nvis = kb < 0 ? n : it.lim[qv] - kb;
+    nvis = nvis < 0 ? 0 : (nvis > n ? n : nvis);
+    if (nvis == 0) {  // nothing visible in this block (a causal row of a prefill tile)
+      for (int64_t j = 0; j < kBlock; ++j) it.p[qv * kBlock + j] = 0.f;
+      continue;
     }
 #ifdef __AVX512F__
     if constexpr (D % 16 == 0) {
-      constexpr int U = D <= 64 ? 4 : 2;
-      int64_t qv = 0;
-      for (; qv + U <= it.nv; qv += U) pv<D, U>(it, qv, blk.vp, n);
-      for (; qv < it.nv; ++qv) pv<D, 1>(it, qv, blk.vp, n);
+      scores<D>(it.q + qv * D, blk.kp, s);
+      softmax_update_avx512<D>(it, qv, s, nvis);
       continue;
     }
 #endif
-    for (int64_t qv = 0; qv < it.nv; ++qv) {
-      float* a = it.acc + qv * D;
-      for (int64_t j = 0; j < n; ++j) {
-        const float pj = it.p[qv * kBlock + j];
-        const float* vv = blk.vp[j];
+    const float* qq = it.q + qv * D;
+    for (int64_t j = 0; j < kBlock; ++j) {
+      float dot = 0.f;
+#pragma omp simd reduction(+ : dot)
+      for (int64_t d = 0; d < D; ++d) dot += qq[d] * blk.kp[j][d];
+      s[j] = dot;
+    }
+    softmax_update<D>(it, qv, s, nvis);
+  }
+#ifdef __AVX512F__
+  if constexpr (D % 16 == 0) {
+    constexpr int U = D <= 64 ? 4 : 2;
+    int64_t qv = 0;
+    for (; qv + U <= it.nv; qv += U) pv<D, U>(it, qv, blk.vp, n);
+    for (; qv < it.nv; ++qv) pv<D, 1>(it, qv, blk.vp, n);
+    return;
+  }
+#endif
+  for (int64_t qv = 0; qv < it.nv; ++qv) {
+    float* a = it.acc + qv * D;
+    for (int64_t j = 0; j < n; ++j) {
+      const float pj = it.p[qv * kBlock + j];
+      const float* vv = blk.vp[j];
 #pragma omp simd
-        for (int64_t d = 0; d < D; ++d) a[d] += pj * vv[d];
-      }
+      for (int64_t d = 0; d < D; ++d) a[d] += pj * vv[d];
     }
   }
 }
 
+// The pool keys 0 .. kend of sequence r (slots), then its extra keys if any, for kv head h.
 template <typename T, int64_t D>
-void work_item(const T* q, const T* kc, const T* vc, const int64_t* slots, const int64_t* kv_limit,
-               int64_t row0, int64_t nrows, int64_t hq, int64_t hkv, int64_t h, float scale, T* out,
-               float* lse) {
-  const int64_t rep = hq / hkv;
+void key_loop(Item& it, const Args<T>& a, int64_t r, int64_t kend, int64_t h) {
+  KeyBlock<T, D> blk;
+  const int64_t* slots = a.slots + r * a.kmax;
+  for (int64_t kb = 0; kb < kend; kb += kBlock) {
+    const int64_t n = kend - kb < kBlock ? kend - kb : kBlock;
+    blk.fill(a.kc, a.vc, slots + kb, 0, n, a.hkv, h);
+    process_block<T, D>(it, blk, n, kb);
+  }
+  if (a.kx == nullptr) return;
+  for (int64_t e = 0; e < a.q_len[r]; e += kBlock) {
+    const int64_t n = a.q_len[r] - e < kBlock ? a.q_len[r] - e : kBlock;
+    blk.fill(a.kx, a.vx, nullptr, a.q_start[r] + e, n, a.hkv, h);
+    process_block<T, D>(it, blk, n, -1);
+  }
+}
+
+template <typename T, int64_t D>
+void work_item(const Args<T>& a, int64_t r, int64_t row0, int64_t nrows, int64_t h) {
+  const int64_t rep = a.hq / a.hkv;
   Item it;
   it.nv = nrows * rep;
   float* buf = static_cast<float*>(calloc(it.nv * (2 * D + 2 + kBlock), sizeof(float)));
@@ -243,25 +276,25 @@ void work_item(const T* q, const T* kc, const T* vc, const int64_t* slots, const
   int64_t kend = 0;
   for (int64_t i = 0; i < nrows; ++i) {
     const int64_t t = row0 + i;
-    if (kv_limit[t] > kend) kend = kv_limit[t];
+    if (a.kv_limit[t] > kend) kend = a.kv_limit[t];
     for (int64_t g = 0; g < rep; ++g) {
       const int64_t qv = i * rep + g;
-      const T* src = q + (t * hq + h * rep + g) * D;
+      const T* src = a.q + (t * a.hq + h * rep + g) * D;
 #pragma omp simd
-      for (int64_t d = 0; d < D; ++d) it.q[qv * D + d] = load(src, d) * scale;
+      for (int64_t d = 0; d < D; ++d) it.q[qv * D + d] = load(src, d) * a.scale;
       it.m[qv] = kNegBig;
-      it.lim[qv] = kv_limit[t];
+      it.lim[qv] = a.kv_limit[t];
     }
   }
-  key_loop<T, D>(it, kc, vc, slots, kend, hkv, h);
+  key_loop<T, D>(it, a, r, kend, h);
   for (int64_t i = 0; i < nrows; ++i) {
     const int64_t t = row0 + i;
     for (int64_t g = 0; g < rep; ++g) {
       const int64_t qv = i * rep + g, head = h * rep + g;
       const float inv = it.l[qv] > 0.f ? 1.f / it.l[qv] : 0.f;
-      T* dst = out + (t * hq + head) * D;
+      T* dst = a.out + (t * a.hq + head) * D;
       for (int64_t d = 0; d < D; ++d) store(dst, d, it.acc[qv * D + d] * inv);
-      if (lse) lse[t * hq + head] = it.l[qv] > 0.f ? it.m[qv] + logf(it.l[qv]) : kNegBig;
+      if (a.lse) a.lse[t * a.hq + head] = it.l[qv] > 0.f ? it.m[qv] + logf(it.l[qv]) : kNegBig;
     }
   }
   free(buf);
@@ -269,74 +302,71 @@ void work_item(const T* q, const T* kc, const T* vc, const int64_t* slots, const
 }
 
 template <typename T, int64_t D>
-void run(const T* q, const T* kc, const T* vc, const int64_t* slots, int64_t kmax, const int64_t* q_start,
-         const int64_t* q_len, const int64_t* kv_limit, int64_t nseq, int64_t hq, int64_t hkv, float scale,
-         T* out, float* lse, int nthreads) {
+void run(const Args<T>& a, int nthreads) {
   // Work items in order (sequence, tile, kv head); first_item[r] is sequence r's first item.
-  int64_t* first_item = static_cast<int64_t*>(malloc(sizeof(int64_t) * (nseq + 1)));
+  int64_t* first_item = static_cast<int64_t*>(malloc(sizeof(int64_t) * (a.nseq + 1)));
   first_item[0] = 0;
-  for (int64_t r = 0; r < nseq; ++r) first_item[r + 1] = first_item[r] + (q_len[r] + kTile - 1) / kTile * hkv;
-  const int64_t items = first_item[nseq];
+  for (int64_t r = 0; r < a.nseq; ++r) first_item[r + 1] = first_item[r] + (a.q_len[r] + kTile - 1) / kTile * a.hkv;
+  const int64_t items = first_item[a.nseq];
 #pragma omp parallel for schedule(dynamic, 1) num_threads(nthreads)
   for (int64_t it = 0; it < items; ++it) {
-    int64_t lo = 0, hi = nseq;  // the sequence r with first_item[r] <= it < first_item[r + 1]
+    int64_t lo = 0, hi = a.nseq;  // the sequence r with first_item[r] <= it < first_item[r + 1]
     while (hi - lo > 1) {
       const int64_t mid = (lo + hi) / 2;
       if (first_item[mid] <= it) lo = mid; else hi = mid;
     }
     const int64_t r = lo, local = it - first_item[r];
-    const int64_t tile = local / hkv, h = local % hkv;
-    const int64_t row0 = q_start[r] + tile * kTile;
-    const int64_t rows_left = q_len[r] - tile * kTile;
-    work_item<T, D>(q, kc, vc, slots + r * kmax, kv_limit, row0, rows_left < kTile ? rows_left : kTile, hq,
-                    hkv, h, scale, out, lse);
+    const int64_t tile = local / a.hkv, h = local % a.hkv;
+    const int64_t rows_left = a.q_len[r] - tile * kTile;
+    work_item<T, D>(a, r, a.q_start[r] + tile * kTile, rows_left < kTile ? rows_left : kTile, h);
   }
   free(first_item);
 }
 
 template <typename T>
-int dispatch(int64_t d, const T* q, const T* kc, const T* vc, const int64_t* slots, int64_t kmax,
-             const int64_t* q_start, const int64_t* q_len, const int64_t* kv_limit, int64_t nseq, int64_t hq,
-             int64_t hkv, float scale, T* out, float* lse, int nthreads) {
-#define DSPARK_CASE(N)                                                                                   \
-  case N:                                                                                                \
-    run<T, N>(q, kc, vc, slots, kmax, q_start, q_len, kv_limit, nseq, hq, hkv, scale, out, lse, nthreads); \
-    return 0;
+int dispatch(int64_t d, const Args<T>& a, int nthreads) {
   switch (d) {
-    DSPARK_CASE(16)
-    DSPARK_CASE(32)
-    DSPARK_CASE(64)
-    DSPARK_CASE(80)
-    DSPARK_CASE(96)
-    DSPARK_CASE(128)
-    DSPARK_CASE(256)
-    default:
-      return 1;
+    case 16: run<T, 16>(a, nthreads); return 0;
+    case 32: run<T, 32>(a, nthreads); return 0;
+    case 64: run<T, 64>(a, nthreads); return 0;
+    case 80: run<T, 80>(a, nthreads); return 0;
+    case 96: run<T, 96>(a, nthreads); return 0;
+    case 128: run<T, 128>(a, nthreads); return 0;
+    case 256: run<T, 256>(a, nthreads); return 0;
+    default: return 1;
   }
-#undef DSPARK_CASE
+}
+
+template <typename T>
+int call(int64_t d, const void* q, const void* kc, const void* vc, const int64_t* slots, int64_t kmax,
+         const int64_t* q_start, const int64_t* q_len, const int64_t* kv_limit, const void* kx, const void* vx,
+         int64_t nseq, int64_t hq, int64_t hkv, float scale, void* out, float* lse, int nthreads) {
+  const Args<T> a{static_cast<const T*>(q),  static_cast<const T*>(kc), static_cast<const T*>(vc), slots, kmax,
+                  q_start, q_len, kv_limit, static_cast<const T*>(kx), static_cast<const T*>(vx), nseq, hq, hkv,
+                  scale, static_cast<T*>(out), lse};
+  return dispatch<T>(d, a, nthreads);
 }
 
 }  // namespace
 
 extern "C" {
 
-// dtype 0: float32, 1: bfloat16 (q, caches and out share it). Returns 0, or 1 for an unsupported
-// head_dim (the caller then uses the PyTorch path). lse may be null.
+// dtype 0: float32, 1: bfloat16 (q, caches, kx / vx and out share it). Returns 0, 1 for an
+// unsupported head_dim (the caller then uses the PyTorch path), 2 / 3 for bad heads / dtype.
+// kx, vx and lse may be null.
 int dspark_paged_attention(int dtype, const void* q, const void* kc, const void* vc, const int64_t* slots,
                            int64_t kmax, const int64_t* q_start, const int64_t* q_len, const int64_t* kv_limit,
-                           int64_t nseq, int64_t hq, int64_t hkv, int64_t d, float scale, void* out, float* lse,
-                           int nthreads) {
+                           const void* kx, const void* vx, int64_t nseq, int64_t hq, int64_t hkv, int64_t d,
+                           float scale, void* out, float* lse, int nthreads) {
   if (hkv <= 0 || hq % hkv != 0) return 2;
   if (dtype == 0)
-    return dispatch<float>(d, static_cast<const float*>(q), static_cast<const float*>(kc),
-                           static_cast<const float*>(vc), slots, kmax, q_start, q_len, kv_limit, nseq, hq, hkv,
-                           scale, static_cast<float*>(out), lse, nthreads);
+    return call<float>(d, q, kc, vc, slots, kmax, q_start, q_len, kv_limit, kx, vx, nseq, hq, hkv, scale, out, lse,
+                       nthreads);
   if (dtype == 1)
-    return dispatch<uint16_t>(d, static_cast<const uint16_t*>(q), static_cast<const uint16_t*>(kc),
-                              static_cast<const uint16_t*>(vc), slots, kmax, q_start, q_len, kv_limit, nseq, hq,
-                              hkv, scale, static_cast<uint16_t*>(out), lse, nthreads);
+    return call<uint16_t>(d, q, kc, vc, slots, kmax, q_start, q_len, kv_limit, kx, vx, nseq, hq, hkv, scale, out,
+                          lse, nthreads);
   return 3;
 }
 
-int dspark_abi_version() { return 1; }
+int dspark_abi_version() { return 2; }
 }
