@@ -100,6 +100,7 @@ class SurvivalMap:
     score: tuple[tuple[float, ...], ...]
     survival: tuple[tuple[float, ...], ...]
     _knots: tuple[tuple[torch.Tensor, torch.Tensor], ...] = field(init=False, repr=False, compare=False)
+    _padded: tuple[torch.Tensor, torch.Tensor, torch.Tensor] = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         if len(self.score) != len(self.survival) or not self.score:
@@ -122,6 +123,19 @@ class SurvivalMap:
             for x, y in zip(xs_all, ys_all, strict=True)
         )
         object.__setattr__(self, "_knots", knots)
+        # All positions at once: knots padded to one length (flat beyond a position's last knot),
+        # with the slope of each segment, for one batched search per call.
+        width = max(len(x) for x in xs_all) + 1
+        xs_pad = torch.empty(len(xs_all), width, dtype=torch.float64)
+        ys_pad = torch.empty_like(xs_pad)
+        for k, (x, y) in enumerate(zip(xs_all, ys_all, strict=True)):
+            xs_pad[k, : len(x)] = torch.tensor(x, dtype=torch.float64)
+            xs_pad[k, len(x) :] = x[-1] + torch.arange(1, width - len(x) + 1, dtype=torch.float64)
+            ys_pad[k, : len(y)] = torch.tensor(y, dtype=torch.float64)
+            ys_pad[k, len(y) :] = y[-1]
+        slope = torch.zeros_like(xs_pad)
+        slope[:, :-1] = (ys_pad[:, 1:] - ys_pad[:, :-1]) / (xs_pad[:, 1:] - xs_pad[:, :-1])
+        object.__setattr__(self, "_padded", (xs_pad, ys_pad, slope))
 
     @property
     def gamma(self) -> int:
@@ -129,10 +143,12 @@ class SurvivalMap:
 
     def __call__(self, scores: torch.Tensor) -> torch.Tensor:
         """[R, gamma] scores -> [R, gamma] survival (before the running minimum over k)."""
-        out = torch.empty_like(scores)
-        for k, (xs, ys) in enumerate(self.knots(scores.device, scores.dtype)):
-            out[:, k] = _interp(scores[:, k].contiguous(), xs, ys)
-        return out
+        xs, ys, slope = (t.to(scores.device, scores.dtype) for t in self._padded)
+        x = scores.t().contiguous()  # [gamma, R]
+        i = (torch.searchsorted(xs, x, right=True) - 1).clamp_(min=0)  # segment of each score
+        x0 = xs.gather(1, i)
+        out = ys.gather(1, i) + (x - x0).clamp_(min=0.0) * slope.gather(1, i)  # flat before knot 0
+        return out.t()
 
     def knots(self, device: torch.device, dtype: torch.dtype) -> list[tuple[torch.Tensor, torch.Tensor]]:
         return [(xs.to(device, dtype), ys.to(device, dtype)) for xs, ys in self._knots]
@@ -174,9 +190,9 @@ def _isotonic(values: list[float], weights: list[float]) -> list[float]:
     return [b[0] for b in blocks for _ in range(int(b[2]))]
 
 
-def sts_scores(raw_logits: torch.Tensor, temperatures: Sequence[float]) -> torch.Tensor:
+def sts_scores(raw_logits: torch.Tensor, temperatures: Sequence[float] | torch.Tensor) -> torch.Tensor:
     """[N, gamma] raw logits -> S_k = sum_{i<=k} log sigmoid(raw_i / T_i), float64."""
-    temps = torch.tensor(temperatures, dtype=torch.float64, device=raw_logits.device)
+    temps = torch.as_tensor(temperatures, dtype=torch.float64, device=raw_logits.device)
     return torch.cumsum(F.logsigmoid(raw_logits.to(torch.float64) / temps), dim=-1)
 
 
@@ -407,11 +423,17 @@ class CalibrationSet:
             raise ValueError(f"{temperatures.numel()} temperatures for {raw_logits.shape[0]} rows")
         if len(self.regimes) == 1:
             return self.regimes[0].survival(raw_logits)
-        w = self.weights(temperatures).to(raw_logits.device, torch.float32)
+        t = temperatures.detach().reshape(-1)
+        uniform = bool((t == t[0]).all())  # the common case: one sampling temperature for the batch
+        w = self.weights(t[:1]).expand(t.numel(), -1) if uniform else self.weights(t)
+        w = w.to(raw_logits.device, torch.float32)
         out = torch.zeros(raw_logits.shape, dtype=torch.float32, device=raw_logits.device)
-        for i in range(len(self.regimes)):
-            if bool(w[:, i].any()):
-                out += w[:, i : i + 1] * self.regimes[i].survival(raw_logits)
+        for i, regime in enumerate(self.regimes):
+            rows = torch.nonzero(w[:, i] > 0).squeeze(1)
+            if rows.numel() == raw_logits.shape[0]:
+                out += w[:, i : i + 1] * regime.survival(raw_logits)
+            elif rows.numel():
+                out.index_add_(0, rows, w[rows, i : i + 1] * regime.survival(raw_logits[rows]))
         return out
 
     def apply(self, raw_logits: torch.Tensor, temperatures: torch.Tensor) -> torch.Tensor:
