@@ -197,8 +197,10 @@ inline void pv(Item& it, int64_t qv0, const float* const* vp, int64_t n) {
 #endif
 
 // One block of n keys: query vector qv sees its first min(lim[qv] - kb, n) (all n when kb < 0).
+// (Inlined into key_loop: as a call it runs about 30% slower for verification blocks.)
 template <typename T, int64_t D>
-void process_block(Item& it, const KeyBlock<T, D>& blk, int64_t n, int64_t kb) {
+__attribute__((always_inline)) inline void process_block(Item& it, const KeyBlock<T, D>& blk, int64_t n,
+                                                         int64_t kb) {
   alignas(64) float s[kBlock];
   for (int64_t qv = 0; qv < it.nv; ++qv) {
     int64_t nvis = kb < 0 ? n : it.lim[qv] - kb;
