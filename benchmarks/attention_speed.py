@@ -148,7 +148,8 @@ def main() -> None:
     base = args.impls[0]
     rows: list[dict] = []
     print(
-        f"threads={args.threads} context~{args.context} repeats={args.repeats}; ms = medians, x = {base}/impl"
+        f"threads={args.threads} clock={args.clock} context~{args.context} repeats={args.repeats}; "
+        f"ms = medians, x = {base}/impl"
     )
     print("| dtype | R | Q | impl | attention ms | forward ms | attention x | forward x |")
     print("| --- | ---: | ---: | --- | ---: | ---: | ---: | ---: |")

@@ -4,8 +4,9 @@ The kernel is plain C++ with no torch headers, so it compiles in about a second
 (``g++ -O3 -march=native -fopenmp``). The shared object is cached under
 ``$DSPARK_KERNEL_CACHE`` (default ``~/.cache/dspark_server/kernels``), keyed by the source, the
 flags, the compiler and the CPU, and written atomically so concurrent processes can share it.
-When no compiler is available (or the build fails) ``load_kernel()`` returns None and callers use
-the PyTorch path in ``paged_torch``.
+When no compiler is available (or the build fails) ``load_kernel()`` returns None: impl "auto"
+then runs the gather path, "kernel" refuses to start. On CPUs without AVX-512 the same source
+compiles to portable loops (tests/test_paged_attention.py builds that variant too).
 """
 
 from __future__ import annotations
@@ -84,13 +85,13 @@ def load_kernel() -> ctypes.CDLL | None:
         return None
     compiler = shutil.which(os.environ.get("CXX", "g++"))
     if compiler is None:
-        log.warning("no C++ compiler found: paged attention uses the PyTorch path")
+        log.warning("no C++ compiler found: attention impl 'auto' uses the gather path")
         return None
     try:
         return open_kernel(build(compiler))
     except (OSError, subprocess.CalledProcessError) as exc:
         detail = getattr(exc, "stderr", "") or exc
-        log.warning("paged attention kernel unavailable (%s): using the PyTorch path", detail)
+        log.warning("paged attention kernel unavailable (%s): impl 'auto' uses the gather path", detail)
         return None
 
 
