@@ -175,7 +175,7 @@ def create_app(backend: Backend | None, cfg: ServerConfig, model_name: str) -> F
         tokenize.check_chars(backend, size, "messages")
         prompt_ids = await tokenize.run(
             lambda: backend.tokenizer.encode_chat(messages),
-            size,
+            size + 32 * len(messages),  # the template's work grows with the message count too
             "cannot apply the chat template",
             "messages",
         )

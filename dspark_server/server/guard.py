@@ -9,6 +9,7 @@ import hmac
 import time
 import weakref
 from collections.abc import Callable
+from typing import Any
 
 from fastapi.responses import Response
 from starlette.datastructures import Headers
@@ -179,8 +180,9 @@ class Guard:
         if drain is None:
             drain = asyncio.ensure_future(self.state.drain_started.wait())
         nxt = asyncio.ensure_future(receive())
+        waiting: set[asyncio.Future[Any]] = {nxt, drain}
         done, _ = await asyncio.wait(
-            {nxt, drain}, timeout=max(0.0, deadline - time.monotonic()), return_when=asyncio.FIRST_COMPLETED
+            waiting, timeout=max(0.0, deadline - time.monotonic()), return_when=asyncio.FIRST_COMPLETED
         )
         if nxt in done:
             return nxt.result(), drain

@@ -14,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import json
 from collections.abc import AsyncIterator
+from typing import Any
 
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.requests import Request
@@ -129,9 +130,8 @@ class EngineSSEResponse(StreamingResponse):
             while True:
                 if nxt is None:
                     nxt = asyncio.ensure_future(events.__anext__())
-                done, _ = await asyncio.wait(
-                    {nxt, watcher, cut}, timeout=keepalive, return_when=asyncio.FIRST_COMPLETED
-                )
+                waiting: set[asyncio.Future[Any]] = {nxt, watcher, cut}
+                done, _ = await asyncio.wait(waiting, timeout=keepalive, return_when=asyncio.FIRST_COMPLETED)
                 if nxt in done:
                     try:
                         chunk = nxt.result()
@@ -196,5 +196,5 @@ async def collect_until_disconnect(
         cut.cancel()
         stream.close()
     if not outputs or outputs[-1].error:
-        raise APIError(500, outputs[-1].error if outputs else "no output", "internal_error")
+        raise APIError(500, (outputs[-1].error if outputs else None) or "no output", "internal_error")
     return JSONResponse(fmt.full_response(outputs))
