@@ -41,8 +41,9 @@ MUTATIONS: tuple[Mutation, ...] = (
         (
             Edit(
                 ENGINE,
-                "else _sample(p[n], p[n], gen))",
-                "else (int(p[n].argmax()) if n > 0 else _sample(p[n], p[n], gen)))",
+                "    tokens = inverse_cdf(final, uniforms[:, width])\n",
+                "    tokens = inverse_cdf(final, uniforms[:, width])\n"
+                "    tokens = torch.where(~rejected & (accepted > 0), final.argmax(dim=1), tokens)\n",
             ),
         ),
         (f"{DIST}[fixed]",),
@@ -62,7 +63,7 @@ MUTATIONS: tuple[Mutation, ...] = (
     Mutation(
         "residual-is-target",
         "a rejected draft is corrected from p instead of normalize(max(0, p - q))",
-        (Edit(ENGINE, "torch.clamp(p[k] - draft_probs[r, k], min=0.0)", "p[k].clone()"),),
+        (Edit(ENGINE, "residual = torch.clamp(final - q_at, min=0.0)", "residual = final.clone()"),),
         (f"{DIST}[fixed]", "tests/test_verify.py"),
     ),
     Mutation(

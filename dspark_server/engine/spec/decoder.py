@@ -33,7 +33,7 @@ from dspark_server.engine.spec.draft_gate import DraftGate
 from dspark_server.engine.spec.drafting import Drafts, sample_drafts
 from dspark_server.engine.spec.rounds import RoundRecord
 from dspark_server.engine.spec.step_overhead import StepOverhead
-from dspark_server.engine.spec.verify import VerifyOutcome, verify, verify_greedy
+from dspark_server.engine.spec.verify import VerifyOutcome, verify_greedy, verify_padded
 from dspark_server.models.attention import KVPool
 from dspark_server.models.drafter import DraftContext, DSparkDrafter
 from dspark_server.planner import (
@@ -242,7 +242,7 @@ class SpeculativeDecoder:
         sampling: SamplingTensors,
     ) -> tuple[ForwardResult, VerifyOutcome, list[int]]:
         """[x0, x1..xℓ] per decoding request + the prefill chunks in one target forward, then
-        rejection sampling per request. Returns the forward, the outcome and the logits row of
+        rejection sampling for all requests at once. Returns the forward, the outcome and the logits row of
         each completing prefill chunk."""
         chunks = [
             SeqChunk(r.table, r.num_computed, [r.all_ids[-1]] + drafts.tokens[i, :ell].tolist())
@@ -254,25 +254,28 @@ class SpeculativeDecoder:
         logits = forward.output.logits
         ends = torch.tensor(tail, dtype=torch.long).cumsum(0).tolist()
         starts = [0] + ends[:-1]
-        if sampling.all_greedy:  # accept while the draft equals the target argmax
-            argmax = logits.argmax(dim=-1).tolist()
-            outcome = verify_greedy(
-                drafts.tokens.tolist(),
-                [argmax[s : s + ell + 1] for s, ell in zip(starts, lens, strict=False)],
-            )
+        if decodes:
+            # Every request's ℓ_r + 1 rows, padded to the step's widest block: [R, L + 1].
+            width = max(lens) + 1
+            index = torch.tensor(starts[: len(decodes)])[:, None] + torch.arange(width)[None, :]
+            index = torch.minimum(index, torch.tensor(ends[: len(decodes)])[:, None] - 1)
+            rows = logits[index]  # [R, L + 1, V]
+            if sampling.all_greedy:  # accept while the draft equals the target argmax
+                outcome = verify_greedy(drafts.tokens, rows.argmax(dim=-1), lens)
+            else:
+                flat = shape_probs(
+                    rows.reshape(-1, rows.shape[-1]), sampling.repeat_rows(torch.full((len(decodes),), width))
+                )
+                outcome = verify_padded(
+                    drafts.tokens,
+                    drafts.probs,
+                    flat.reshape(rows.shape),
+                    lens,
+                    [r.generator for r in decodes],
+                    [r.noise_key for r in decodes],
+                )
         else:
-            target_probs = [
-                shape_probs(logits[s : s + ell + 1], _rows(sampling, i, ell + 1))
-                for i, (s, ell) in enumerate(zip(starts, lens, strict=False))
-            ]
-            outcome = verify(
-                drafts.tokens,
-                drafts.probs,
-                target_probs,
-                lens,
-                [r.generator for r in decodes],
-                [r.noise_key for r in decodes],
-            )
+            outcome = VerifyOutcome([], [])
         completing = [s for s, c in zip(starts[len(decodes) :], prefills, strict=True) if c.completes]
         return forward, outcome, completing
 
@@ -339,9 +342,3 @@ class SpeculativeDecoder:
         if current is not self._planned_from:  # unchanged (e.g. refresh off): nothing to refit
             self._planned_from = current
             self.planner.set_sps_table(self._planning_table(current))
-
-
-def _rows(s: SamplingTensors, i: int, n: int) -> SamplingTensors:
-    return SamplingTensors(
-        s.temperature[i : i + 1].expand(n), s.top_p[i : i + 1].expand(n), s.top_k[i : i + 1].expand(n)
-    )

@@ -7,6 +7,10 @@ from p, for any ℓ chosen without looking at the drafted tokens' values. p and 
 the same sampling settings (``sampling.shape_probs``); for greedy rows both are one-hot and this
 reduces to "accept while the draft equals the target argmax".
 
+All requests of a step are verified at once on padded tensors [R, L(+1), V] (L = max ℓ): each
+request draws its L + 1 uniforms from its own generator in one call, acceptance is a cumulative
+product, and the final token is one inverse-CDF draw per row — no per-position Python.
+
 Seeded requests (a ``NoiseKey``) verify by coupling instead (``engine/noise.py``): the drafts were
 drawn with the same keyed Gumbel noise the target's tokens are drawn with, a draft is accepted
 while it equals the target's keyed draw, and the first differing target draw is emitted; the tokens
@@ -43,43 +47,90 @@ def verify(
     every ℓ_r is 0, i.e. nothing was drafted);
     target_probs[r] [ℓ_r + 1, V] (p at the anchor and at each verified draft position).
     """
-    accepted: list[int] = []
-    next_tokens: list[int] = []
-    for r, ell in enumerate(lengths):
-        p = target_probs[r]
-        key = keys[r] if keys is not None else None
+    num = len(lengths)
+    if num == 0:
+        return VerifyOutcome([], [])
+    width = max(lengths) + 1
+    padded = torch.zeros(num, width, target_probs[0].shape[-1], dtype=target_probs[0].dtype)
+    for r, p in enumerate(target_probs):
+        padded[r, : p.shape[0]] = p
+    return verify_padded(draft_tokens, draft_probs, padded, lengths, generators, keys)
+
+
+def verify_padded(
+    draft_tokens: torch.Tensor,
+    draft_probs: torch.Tensor | None,
+    target_probs: torch.Tensor,
+    lengths: Sequence[int],
+    generators: Sequence[torch.Generator],
+    keys: Sequence[NoiseKey | None] | None = None,
+) -> VerifyOutcome:
+    """``verify`` on target_probs [R, ≥ max ℓ + 1, V] (rows past ℓ_r + 1 are ignored)."""
+    num = len(lengths)
+    if num == 0:
+        return VerifyOutcome([], [])
+    ell = torch.tensor(list(lengths), dtype=torch.long)
+    width = int(ell.max())  # L: positions any request verifies
+    p = target_probs[:, : width + 1].float()
+    rows = torch.arange(num)
+    uniforms = torch.stack([torch.rand(width + 1, generator=g) for g in generators])  # [R, L + 1]
+    if width > 0:
+        assert draft_probs is not None, "drafts to verify need the distribution they came from"
+        x = draft_tokens[:, :width]
+        q = draft_probs[:, :width].float()
+        px = p[:, :width].gather(2, x[..., None])[..., 0]
+        qx = q.gather(2, x[..., None])[..., 0]
+        # min(1, px / qx) without dividing; px >= qx accepts with no draw (greedy hits included)
+        ok = ((qx > 0) & (px >= qx)) | (uniforms[:, :width] * qx < px)
+        ok &= torch.arange(width)[None, :] < ell[:, None]
+        accepted = ok.long().cumprod(dim=1).sum(dim=1)
+    else:
+        accepted = torch.zeros(num, dtype=torch.long)
+    final = p[rows, accepted]  # p at the first rejected position, or at ℓ_r + 1 (the bonus)
+    rejected = accepted < ell
+    if bool(rejected.any()):
+        assert draft_probs is not None
+        q_at = draft_probs[rows, accepted.clamp(max=draft_probs.shape[1] - 1)].float()
+        residual = torch.clamp(final - q_at, min=0.0)
+        # p == q up to rounding leaves an empty residual: p itself is then the answer
+        empty = residual.sum(dim=1) <= 0.0
+        residual = torch.where(empty[:, None], final, residual)
+        final = torch.where(rejected[:, None], residual, final)
+    tokens = inverse_cdf(final, uniforms[:, width])
+    out_acc, out_tok = accepted.tolist(), tokens.tolist()
+    for r, key in enumerate(keys or ()):
         if key is not None:
-            n, token = _verify_keyed(draft_tokens[r, :ell].tolist(), p, key)
-            accepted.append(n)
-            next_tokens.append(token)
-            continue
-        gen = generators[r]
-        n = 0
-        correction: int | None = None
-        for k in range(ell):
-            assert draft_probs is not None, "drafts to verify need the distribution they came from"
-            x = int(draft_tokens[r, k])
-            px, qx = float(p[k, x]), float(draft_probs[r, k, x])
-            if _accept(px, qx, gen):
-                n += 1
-                continue
-            correction = _sample(torch.clamp(p[k] - draft_probs[r, k], min=0.0), p[k], gen)
-            break
-        accepted.append(n)
-        next_tokens.append(correction if correction is not None else _sample(p[n], p[n], gen))
-    return VerifyOutcome(accepted, next_tokens)
+            out_acc[r], out_tok[r] = _verify_keyed(
+                draft_tokens[r, : lengths[r]].tolist(), p[r, : lengths[r] + 1], key
+            )
+    return VerifyOutcome(out_acc, out_tok)
 
 
-def verify_greedy(draft_tokens: list[list[int]], target_argmax: list[list[int]]) -> VerifyOutcome:
-    """Temperature-0 fast path: target_argmax[r] holds the argmax at the ℓ_r + 1 verified rows."""
-    accepted, next_tokens = [], []
-    for drafts, argmax in zip(draft_tokens, target_argmax, strict=True):
-        n = 0
-        while n < len(argmax) - 1 and drafts[n] == argmax[n]:
-            n += 1
-        accepted.append(n)
-        next_tokens.append(argmax[n])
-    return VerifyOutcome(accepted, next_tokens)
+def inverse_cdf(weights: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:
+    """One draw per row of unnormalised weights [N, V] from uniforms [N] in [0, 1): the first
+    index whose cumulative weight exceeds u · total (never a zero-weight index; one-hot rows give
+    their hot index whatever u is)."""
+    cdf = weights.double().cumsum(dim=1)
+    target = (uniforms.double() * cdf[:, -1])[:, None]
+    idx = torch.searchsorted(cdf, target, right=True)[:, 0]
+    return idx.clamp_(max=weights.shape[1] - 1)
+
+
+def verify_greedy(
+    draft_tokens: torch.Tensor, target_argmax: torch.Tensor, lengths: Sequence[int]
+) -> VerifyOutcome:
+    """Temperature-0 fast path: draft_tokens [R, γ]; target_argmax [R, ≥ max ℓ + 1] the target's
+    argmax at each verified row (rows past ℓ_r + 1 ignored)."""
+    num = len(lengths)
+    if num == 0:
+        return VerifyOutcome([], [])
+    ell = torch.tensor(list(lengths), dtype=torch.long)
+    width = int(ell.max())
+    match = draft_tokens[:, :width] == target_argmax[:, :width]
+    match &= torch.arange(width)[None, :] < ell[:, None]
+    accepted = match.long().cumprod(dim=1).sum(dim=1)
+    nxt = target_argmax[torch.arange(num), accepted]
+    return VerifyOutcome(accepted.tolist(), nxt.tolist())
 
 
 def _verify_keyed(drafts: list[int], p: torch.Tensor, key: NoiseKey) -> tuple[int, int]:
@@ -89,19 +140,3 @@ def _verify_keyed(drafts: list[int], p: torch.Tensor, key: NoiseKey) -> tuple[in
     while n < len(drafts) and drafts[n] == draws[n]:
         n += 1
     return n, draws[n]
-
-
-def _accept(px: float, qx: float, gen: torch.Generator) -> bool:
-    if qx > 0.0 and px >= qx:
-        return True  # probability 1: no random draw needed (greedy hits stay draw-free)
-    u = float(torch.rand((), generator=gen))
-    return u * qx < px
-
-
-def _sample(weights: torch.Tensor, fallback: torch.Tensor, gen: torch.Generator) -> int:
-    total = float(weights.sum())
-    if total <= 0.0:  # p == q up to rounding: the residual is empty, p itself is the answer
-        weights, total = fallback, float(fallback.sum())
-    if float(weights.max()) >= total * (1 - 1e-9):
-        return int(weights.argmax())  # one-hot (greedy): no random draw
-    return int(torch.multinomial(weights / total, 1, generator=gen))
