@@ -19,9 +19,11 @@ from dspark_server.server.protocol import APIError
 from dspark_server.server.state import ServerState
 
 RETRY_AFTER_UNAVAILABLE_S = 5
-# Bodies at least this large are handed to the app one at a time, each in its own event-loop turn:
-# parsing a few MB of JSON takes ~15 ms of loop time, and several in one turn would add up.
+# Bodies at least this large are handed to the app one at a time, LARGE_BODY_SPACING_S apart:
+# parsing a few MB of JSON takes ~15 ms of loop time, and several in a row would hold up every other
+# request (/health included) for their sum.
 LARGE_BODY_BYTES = 256 * 1024
+LARGE_BODY_SPACING_S = 0.02
 _CLOSE = {"Connection": "close"}  # the body was not read to its end: the connection cannot be reused
 
 
@@ -104,7 +106,7 @@ class Guard:
 
     async def _replay(self, body: bytes, receive: Receive) -> tuple[Receive, Callable[[], None] | None]:
         """A receive that hands the app the whole body, then the connection's own messages. A large
-        body first waits for its turn, which ends in the loop turn after the app took it."""
+        body first waits for its turn, which ends a short while after the app took it."""
         replay: list[Message] = [{"type": "http.request", "body": body, "more_body": False}]
         release: Callable[[], None] | None = None
         if len(body) >= LARGE_BODY_BYTES:
@@ -123,7 +125,7 @@ class Guard:
         async def replaying_receive() -> Message:
             if replay:
                 if release is not None:
-                    asyncio.get_running_loop().call_soon(release)
+                    asyncio.get_running_loop().call_later(LARGE_BODY_SPACING_S, release)
                 return replay.pop(0)
             return await receive()
 
