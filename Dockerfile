@@ -39,7 +39,9 @@ WORKDIR /app
 COPY pyproject.toml README.md ./
 COPY dspark_server ./dspark_server
 COPY profiles ./profiles
-RUN pip install --extra-index-url https://download.pytorch.org/whl/cpu '.[cpu]' \
+# g++ builds the paged-attention kernel at start-up (about a second, cached in ~/.cache)
+RUN apt-get update && apt-get install -y --no-install-recommends g++ && rm -rf /var/lib/apt/lists/* \
+    && pip install --extra-index-url https://download.pytorch.org/whl/cpu '.[cpu]' \
     && useradd --create-home --uid 10001 dspark
 USER dspark
 EXPOSE 8000

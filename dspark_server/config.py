@@ -5,10 +5,11 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Literal, get_args
 
 SpecMode = Literal["off", "fixed", "threshold", "dspark"]
-SPEC_MODES: tuple[str, ...] = ("off", "fixed", "threshold", "dspark")
+SPEC_MODES: tuple[str, ...] = get_args(SpecMode)
+ATTENTION_IMPLS: tuple[str, ...] = ("auto", "kernel", "torch", "gather")
 
 
 @dataclass(frozen=True)

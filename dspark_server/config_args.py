@@ -8,7 +8,7 @@ import argparse
 from dataclasses import MISSING, dataclass, fields, replace
 from typing import Any, Literal, cast
 
-from dspark_server.config import SPEC_MODES, EngineConfig, SpecMode, SpeculativeConfig
+from dspark_server.config import ATTENTION_IMPLS, SPEC_MODES, EngineConfig, SpecMode, SpeculativeConfig
 
 Speculation = Literal["all", "gamma", "none"]
 
@@ -113,6 +113,14 @@ def add_engine_args(
         help=f"weights dtype (default: {field_default(EngineConfig, 'dtype')} native, auto sglang)",
     )
     g.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's)")
+    g.add_argument(
+        "--attention-impl",
+        choices=ATTENTION_IMPLS,
+        default=None,
+        help="how attention reads the KV cache: kernel (C++, in place), torch (blockwise PyTorch), "
+        "gather (copy every history, then SDPA), auto (the kernel where it runs, else gather) "
+        "(default: $DSPARK_ATTENTION, else auto)",
+    )
     if speculation != "none":
         s = parser.add_argument_group("speculation")
         if speculation == "all":
@@ -175,6 +183,7 @@ def engine_config_from_args(
         draft_dir=draft if mode != "off" else None,
         dtype=getattr(ns, "dtype", None) or field_default(EngineConfig, "dtype"),
         num_threads=getattr(ns, "threads", None),
+        attention_impl=getattr(ns, "attention_impl", None),
         spec=spec,
         **capacity,
     )

@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from dspark_server.config import EngineConfig
+from dspark_server.machine import cpu_model
 
 
 class BenchError(RuntimeError):
@@ -119,13 +120,9 @@ def git_commit() -> str | None:
 
 def machine_info() -> dict[str, Any]:
     """CPU model, cores, memory, load, library versions: what a reader needs to compare figures."""
-    cpu = platform.processor() or platform.machine()
+    cpu = cpu_model()
     mem_gib = None
     try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                cpu = line.split(":", 1)[1].strip()
-                break
         for line in Path("/proc/meminfo").read_text().splitlines():
             if line.startswith("MemTotal"):
                 mem_gib = round(int(line.split()[1]) / 2**20, 1)

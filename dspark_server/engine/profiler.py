@@ -10,7 +10,6 @@ import hashlib
 import json
 import logging
 import os
-import platform
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -20,6 +19,7 @@ import torch
 from dspark_server.engine.batch import SeqChunk
 from dspark_server.engine.kv_cache import PageTable
 from dspark_server.engine.model_runner import ModelRunner
+from dspark_server.machine import cpu_model
 from dspark_server.planner import SpsCostTable, build_sps_table, monotone_envelope, probe_batch_sizes
 
 log = logging.getLogger(__name__)
@@ -78,14 +78,7 @@ def profile_sps(
 
 
 def machine_description() -> dict[str, str | int]:
-    cpu = platform.processor() or platform.machine()
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                cpu = line.split(":", 1)[1].strip()
-                break
-    except OSError:
-        pass
+    cpu = cpu_model()
     return {
         "cpu": cpu,
         "cores": os.cpu_count() or 1,

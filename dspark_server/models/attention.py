@@ -23,12 +23,11 @@ from typing import Protocol
 import torch
 import torch.nn.functional as F
 
+from dspark_server.config import ATTENTION_IMPLS
 from dspark_server.models.attention_gather import AttentionGroup, build_groups, gather_attend
 from dspark_server.models.paged_kernel import kernel_attention, kernel_supports, load_kernel
 from dspark_server.models.paged_layout import PagedLayout
 from dspark_server.models.paged_torch import torch_attention
-
-ATTENTION_IMPLS: tuple[str, ...] = ("auto", "kernel", "torch", "gather")
 
 
 class AttentionBackend(Protocol):

@@ -16,7 +16,6 @@ import functools
 import hashlib
 import logging
 import os
-import platform
 import shutil
 import subprocess
 import tempfile
@@ -24,6 +23,7 @@ from pathlib import Path
 
 import torch
 
+from dspark_server.machine import cpu_flags
 from dspark_server.models.paged_layout import PagedLayout
 
 log = logging.getLogger(__name__)
@@ -36,16 +36,6 @@ _P = ctypes.c_void_p
 _I = ctypes.c_int64
 
 
-def _cpu_id() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("flags"):
-                return line
-    except OSError:
-        pass
-    return platform.processor()
-
-
 def _cache_dir() -> Path:
     return Path(os.environ.get("DSPARK_KERNEL_CACHE", Path.home() / ".cache" / "dspark_server" / "kernels"))
 
@@ -55,7 +45,7 @@ def build(compiler: str, extra_flags: tuple[str, ...] = ()) -> Path:
     flags = (*FLAGS, *extra_flags)
     src = SOURCE.read_bytes()
     version = subprocess.run([compiler, "--version"], capture_output=True, text=True, check=True).stdout
-    key = hashlib.sha256(b"\0".join([src, " ".join(flags).encode(), version.encode(), _cpu_id().encode()]))
+    key = hashlib.sha256(b"\0".join([src, " ".join(flags).encode(), version.encode(), cpu_flags().encode()]))
     name = f"paged_attention_{key.hexdigest()[:16]}.so"
     out = _cache_dir() / name
     if out.is_file():

@@ -38,7 +38,7 @@ def build_speculative(cfg: EngineConfig, runner: ModelRunner) -> SpeculativeDeco
     spec = cfg.spec
     drafter = load_drafter(cfg.draft_dir, runner.target, runner.dtype)
     gamma = spec.gamma or drafter.gamma
-    pool = drafter.new_kv_pool(runner.allocator.num_slots, runner.dtype)
+    pool = drafter.new_kv_pool(runner.allocator.num_slots, runner.dtype, impl=cfg.attention_impl)
     table = resolve_sps_table(cfg, runner) if spec.mode == "dspark" else None
     planner = make_planner(PlannerConfig(mode=spec.mode, gamma=gamma, threshold=spec.threshold), table)
     live = LiveSpsTable(table, enabled=spec.live_sps_refresh) if table is not None else None

@@ -1,0 +1,36 @@
+"""What this machine is, read once from /proc/cpuinfo: the CPU's name and its feature flags.
+
+Cached tables and kernels are keyed by the machine they were measured or built on; every reader
+of /proc/cpuinfo goes through here.
+"""
+
+from __future__ import annotations
+
+import platform
+from functools import lru_cache
+from pathlib import Path
+
+
+@lru_cache(maxsize=1)
+def _cpuinfo() -> dict[str, str]:
+    """The first processor's ``key: value`` lines (empty where /proc/cpuinfo is unreadable)."""
+    out: dict[str, str] = {}
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if not line.strip():
+                break  # the first processor's block ends here
+            key, _, value = line.partition(":")
+            out.setdefault(key.strip(), value.strip())
+    except OSError:
+        pass
+    return out
+
+
+def cpu_model() -> str:
+    """The CPU's model name, else what ``platform`` knows."""
+    return _cpuinfo().get("model name") or platform.processor() or platform.machine()
+
+
+def cpu_flags() -> str:
+    """The CPU's feature flags line (e.g. "... avx512f avx512_bf16 ..."), else the processor name."""
+    return _cpuinfo().get("flags") or platform.processor()
