@@ -50,10 +50,10 @@ from dspark_server.backends.sglang_runtime import (
     with_default_files,
 )
 from dspark_server.config import ModelConfig
-from dspark_server.engine.backend import LoadSnapshot, QueueFullError, SpecSnapshot
+from dspark_server.engine.admission import AdmissionCounter, validate_prompt
+from dspark_server.engine.backend import LoadSnapshot, SpecSnapshot
 from dspark_server.engine.outputs import OutputProcessor
 from dspark_server.engine.request import (
-    InvalidRequestError,
     Request,
     RequestOutput,
     SamplingParams,
@@ -71,15 +71,6 @@ FINAL_META_WAIT_S = 0.5
 # SGLang's max_running_requests when speculation is on and none is given (speculative_hook.py).
 SGLANG_SPEC_DEFAULT_RUNNING = 48
 DEFAULT_RUNNING_NO_SPEC = 256
-
-
-class _Outputs(OutputProcessor):
-    def finish(self, req: Request, reason: str) -> None:
-        """End ``req`` for a reason SGLang saw (e.g. an EOS id only its config lists)."""
-        req.finish_reason = reason
-        detok = self._detok.get(req.request_id)
-        if detok is not None:
-            req.output_text += detok.flush()
 
 
 def _discard(_: RequestOutput) -> None:
@@ -270,12 +261,11 @@ class SGLangBackend:
         )
         self.max_queued = cfg.max_queued
         self.stats = EngineStats()
-        self.outputs = _Outputs(self.tokenizer, self.eos_token_ids)
+        self.outputs = OutputProcessor(self.tokenizer, self.eos_token_ids)
         self.engine: Any = None
         self.incremental_output = False
         self._started = False
-        self._lock = threading.Lock()
-        self._admitted = 0
+        self.admission = AdmissionCounter(self.max_running, self.max_queued)
         self._loop_prepared = False
         self._tasks: set[asyncio.Task] = set()
 
@@ -336,41 +326,22 @@ class SGLangBackend:
     # ---- requests ---------------------------------------------------------------------------
 
     def validate(self, prompt_ids: list[int], params: SamplingParams) -> None:
-        if not prompt_ids:
-            raise InvalidRequestError("the prompt is empty", "prompt")
-        if any(not 0 <= t < self.vocab_size for t in prompt_ids):
-            raise InvalidRequestError(f"prompt token ids must be in [0, {self.vocab_size})", "prompt")
-        total = len(prompt_ids) + params.max_tokens
-        if total > self.max_model_len:
-            raise InvalidRequestError(
-                f"This model's maximum context length is {self.max_model_len} tokens. However, you "
-                f"requested {total} tokens ({len(prompt_ids)} in the prompt, {params.max_tokens} for "
-                "the completion). Please reduce the length of the prompt or max_tokens.",
-                "max_tokens",
-            )
+        validate_prompt(prompt_ids, params, self.vocab_size, self.max_model_len)
 
     @property
     def capacity(self) -> int:
-        return self.max_running + self.max_queued
+        return self.admission.capacity
 
     def can_accept(self) -> bool:
-        with self._lock:
-            return self._admitted < self.capacity
+        return self.admission.can_accept()
 
     def generate(self, request_id: str, prompt_ids: list[int], params: SamplingParams) -> SGLangStream:
         self.validate(prompt_ids, params)
-        with self._lock:
-            if self._admitted >= self.capacity:
-                raise QueueFullError(
-                    f"{self._admitted} requests are running or queued "
-                    f"(max_running {self.max_running} + max_queued {self.max_queued})"
-                )
-            self._admitted += 1
+        self.admission.admit()
         return SGLangStream(self, request_id, list(prompt_ids), params)
 
     def _release(self) -> None:
-        with self._lock:
-            self._admitted -= 1
+        self.admission.release()
 
     def _abort(self, rid: str) -> None:
         tm = getattr(self.engine, "tokenizer_manager", None)
@@ -401,8 +372,7 @@ class SGLangBackend:
             return []
 
     def load(self) -> LoadSnapshot:
-        with self._lock:
-            admitted = self._admitted
+        admitted = self.admission.admitted
         loads = self._sglang_loads()
         if loads:
             running = sum(int(getattr(x, "num_running_reqs", 0)) for x in loads)

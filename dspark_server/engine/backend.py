@@ -6,14 +6,13 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Protocol
 
+from dspark_server.engine.admission import QueueFullError
 from dspark_server.engine.request import RequestOutput, SamplingParams
 from dspark_server.engine.stats import EngineStats
 from dspark_server.models.tokenizer import Tokenizer
 from dspark_server.planner import LiveSpsPoint, PositionDrift
 
-
-class QueueFullError(Exception):
-    """The backend holds as many requests as it may (running + queued); retry later."""
+__all__ = ["Backend", "LoadSnapshot", "QueueFullError", "RequestStream", "SpecSnapshot"]
 
 
 @dataclass(frozen=True)

@@ -17,11 +17,11 @@ from pathlib import Path
 import torch
 
 from dspark_server.config import EngineConfig
+from dspark_server.engine.admission import validate_prompt
 from dspark_server.engine.batch import SeqChunk
 from dspark_server.engine.model_runner import ModelRunner
 from dspark_server.engine.outputs import OutputProcessor
 from dspark_server.engine.request import (
-    InvalidRequestError,
     Request,
     RequestOutput,
     SamplingParams,
@@ -69,19 +69,7 @@ class LLMEngine:
     # ---- thread-safe entry points ------------------------------------------------------------
 
     def validate(self, prompt_ids: list[int], params: SamplingParams) -> None:
-        if not prompt_ids:
-            raise InvalidRequestError("the prompt is empty", "prompt")
-        vocab = self.runner.target.config.vocab_size
-        if any(not 0 <= t < vocab for t in prompt_ids):
-            raise InvalidRequestError(f"prompt token ids must be in [0, {vocab})", "prompt")
-        total = len(prompt_ids) + params.max_tokens
-        if total > self.max_model_len:
-            raise InvalidRequestError(
-                f"This model's maximum context length is {self.max_model_len} tokens. However, you "
-                f"requested {total} tokens ({len(prompt_ids)} in the prompt, {params.max_tokens} for "
-                "the completion). Please reduce the length of the prompt or max_tokens.",
-                "max_tokens",
-            )
+        validate_prompt(prompt_ids, params, self.runner.target.config.vocab_size, self.max_model_len)
 
     def add_request(
         self,

@@ -7,7 +7,8 @@ import logging
 import threading
 import time
 
-from dspark_server.engine.backend import LoadSnapshot, QueueFullError, SpecSnapshot
+from dspark_server.engine.admission import AdmissionCounter
+from dspark_server.engine.backend import LoadSnapshot, SpecSnapshot
 from dspark_server.engine.engine import LLMEngine
 from dspark_server.engine.request import RequestOutput, SamplingParams
 
@@ -111,38 +112,22 @@ class NativeBackend:
         self.max_model_len = engine.max_model_len
         self.max_running = engine.cfg.max_running
         self.max_queued = engine.cfg.max_queued
+        self.admission = AdmissionCounter(self.max_running, self.max_queued)
         self._thread = EngineThread(engine)
         self._started = False
-        self._lock = threading.Lock()
-        self._admitted = 0
 
     @property
     def ready(self) -> bool:
         return self._started
 
-    @property
-    def capacity(self) -> int:
-        return self.max_running + self.max_queued
-
-    def validate(self, prompt_ids: list[int], params: SamplingParams) -> None:
-        self.engine.validate(prompt_ids, params)
-
     def can_accept(self) -> bool:
-        with self._lock:
-            return self._admitted < self.capacity
+        return self.admission.can_accept()
 
     def _release(self) -> None:
-        with self._lock:
-            self._admitted -= 1
+        self.admission.release()
 
     def generate(self, request_id: str, prompt_ids: list[int], params: SamplingParams) -> NativeStream:
-        with self._lock:
-            if self._admitted >= self.capacity:
-                raise QueueFullError(
-                    f"{self._admitted} requests are running or queued "
-                    f"(max_running {self.max_running} + max_queued {self.max_queued})"
-                )
-            self._admitted += 1
+        self.admission.admit()
         stream = NativeStream(self, request_id)
         try:
             self.engine.add_request(request_id, prompt_ids, params, stream._sink)
@@ -153,8 +138,7 @@ class NativeBackend:
 
     def load(self) -> LoadSnapshot:
         sched, alloc = self.engine.scheduler, self.engine.runner.allocator
-        with self._lock:
-            admitted = self._admitted
+        admitted = self.admission.admitted
         return LoadSnapshot(
             running=len(sched.running),
             waiting=len(sched.waiting),

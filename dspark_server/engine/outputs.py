@@ -44,6 +44,14 @@ class OutputProcessor:
             req.output_text += detok.flush()
         return kept
 
+    def finish(self, req: Request, reason: str) -> None:
+        """End ``req`` for a reason found outside ``append`` (e.g. an EOS id only an external
+        engine's config lists): the held-back text of its detokenizer is flushed."""
+        req.finish_reason = reason
+        detok = self._detok.get(req.request_id)
+        if detok is not None:
+            req.output_text += detok.flush()
+
     @staticmethod
     def _truncate_at_stop(req: Request, text_before: int) -> bool:
         longest = max(len(s) for s in req.params.stop)
