@@ -12,6 +12,7 @@ Loopback only; bounded in time.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import subprocess
 import tempfile
@@ -30,10 +31,8 @@ def _rss_kb(pid: int, key: str) -> int:
 
 
 def _reset_peak(pid: int) -> None:
-    try:  # writing 5 to clear_refs resets VmHWM to the current RSS (Linux >= 4.0)
+    with contextlib.suppress(OSError):  # writing 5 resets VmHWM to the current RSS (Linux >= 4.0)
         Path(f"/proc/{pid}/clear_refs").write_text("5")
-    except OSError:
-        pass
 
 
 def main() -> None:
