@@ -59,6 +59,7 @@ from dspark_server.training.draft_step import (
     evaluate,
     train_step,
 )
+from dspark_server.training.loop import EvalReport, LoopConfig, LoopProgress, StepReport, run_training_loop
 from dspark_server.training.losses import (
     LossConfig,
 )
@@ -203,9 +204,6 @@ def _fmt(xs: list[float]) -> str:
 
 def train_draft(cfg: DraftTrainConfig) -> dict[str, Any]:
     """Train (or resume), evaluating and checkpointing; export the drafter to ``out_dir``."""
-    from tqdm import tqdm
-
-    t_start = time.perf_counter()
     torch.set_num_threads(cfg.threads)
     target = load_target(cfg.target_dir)
     drafter = build_drafter(
@@ -240,20 +238,20 @@ def train_draft(cfg: DraftTrainConfig) -> dict[str, Any]:
         "tokens": int(data.ids.size),
     }
 
-    step, train_seconds, tokens_seen, blocks_seen = 0, 0.0, 0, 0
+    prog, blocks_seen = LoopProgress(), 0
     history: dict[str, list] = {"train": [], "heldout": []}
     ckpt = find_checkpoint(run)
     if ckpt is not None and cfg.resume:
         st = load_checkpoint(ckpt, drafter, opt)
-        step, train_seconds = st["step"], st["train_seconds"]
-        tokens_seen, blocks_seen, history = st["tokens_seen"], st["blocks_seen"], st["history"]
+        prog = LoopProgress(st["step"], st["train_seconds"], st["tokens_seen"])
+        blocks_seen, history = st["blocks_seen"], st["history"]
         if st.get("data") != data_info:
             log.warning(
                 "resuming with different data (%s, was %s): batches differ from the first run",
                 data_info,
                 st.get("data"),
             )
-        print(f"resumed from {ckpt} at step {step}", file=sys.stderr, flush=True)
+        print(f"resumed from {ckpt} at step {prog.step}", file=sys.stderr, flush=True)
     elif ckpt is not None and not cfg.overwrite:
         saved_step = json.loads((ckpt / "state.json").read_text())["step"]
         raise FileExistsError(
@@ -274,9 +272,9 @@ def train_draft(cfg: DraftTrainConfig) -> dict[str, Any]:
 
     def state() -> dict[str, Any]:
         return {
-            "step": step,
-            "train_seconds": round(train_seconds, 2),
-            "tokens_seen": tokens_seen,
+            "step": prog.step,
+            "train_seconds": round(prog.train_seconds, 2),
+            "tokens_seen": prog.tokens_seen,
             "blocks_seen": blocks_seen,
             "history": history,
             "data": data_info,
@@ -284,115 +282,90 @@ def train_draft(cfg: DraftTrainConfig) -> dict[str, Any]:
             "config": _jsonable(asdict(cfg)),
         }
 
-    def run_eval() -> dict[str, Any]:
+    def run_eval() -> EvalReport:
         t0 = time.perf_counter()
         ev = evaluate(drafter, target, held, cfg.anchors_per_seq, cfg.loss, cfg.seed)
-        ev["step"], ev["seconds"] = step, round(time.perf_counter() - t0, 2)
+        ev["step"], ev["seconds"] = prog.step, round(time.perf_counter() - t0, 2)
         history["heldout"].append(ev)
-        return ev
-
-    logf = (run / "log.jsonl").open("a" if step > 0 else "w")  # a fresh start replaces the old log
-    bar = tqdm(
-        total=cfg.steps,
-        initial=step,
-        desc="train draft",
-        disable=not cfg.progress,
-        file=sys.stderr,
-        dynamic_ncols=True,
-        mininterval=2.0,
-    )
-    if held and step == 0 and not history["heldout"]:
-        ev = run_eval()
-        bar.write(
-            f"step 0 heldout: loss {ev['loss']:.4f} tau {ev['tau']:.3f} tau_greedy {ev['tau_greedy']:.3f}"
+        return EvalReport(
+            {k: ev[k] for k in ("loss", "tau", "tau_greedy")},
+            f"heldout: loss {ev['loss']:.4f} tv {ev['tv']:.4f} tau {ev['tau']:.3f} "
+            f"tau_greedy {ev['tau_greedy']:.3f} accept {_fmt(ev['accept_per_pos'])} "
+            f"acc {_fmt(ev['accuracy_per_pos'])} ({ev['seconds']:.1f}s)",
         )
+
     ema: dict[str, float] = {}
-    stopped = "completed"
-    try:
-        while step < cfg.steps:
-            t0 = time.perf_counter()
-            batch = make_batch(data, order.batch(step), cfg.seq_len)
-            lr = lr_at(step, cfg)
-            r, gnorm = train_step(
-                drafter,
-                target,
-                opt,
-                batch,
-                cfg.anchors_per_seq,
-                anchor_generator(cfg.seed, step),
-                lr,
-                cfg.loss,
-                cfg.grad_clip,
-            )
-            step += 1
-            dt = time.perf_counter() - t0
-            train_seconds += dt
-            tokens_seen += batch.num_tokens
-            blocks_seen += r.blocks
-            res = r.res
-            cur = {
-                "loss": float(res.loss.detach()),
-                "tv": float(res.tv),
-                "tau": float(res.tau),
-                "acc1": float(res.accuracy_per_pos[0]),
-            }
-            ema = {k: v if k not in ema else 0.9 * ema[k] + 0.1 * v for k, v in cur.items()}
-            bar.update(1)
-            bar.set_postfix(
-                loss=f"{ema['loss']:.3f}",
-                tv=f"{ema['tv']:.3f}",
-                acc1=f"{ema['acc1']:.2f}",
-                tau=f"{ema['tau']:.2f}",
-                lr=f"{lr:.1e}",
-                s_step=f"{dt:.2f}",
-                tok_s=f"{tokens_seen / max(train_seconds, 1e-9):.0f}",
-            )
-            rec: dict[str, Any] = {
-                "step": step,
-                "loss": round(cur["loss"], 5),
-                "ce": round(float(res.ce), 5),
-                "tv": round(cur["tv"], 5),
-                "confidence": round(float(res.confidence), 5),
-                "tau": round(cur["tau"], 4),
-                "accept_per_pos": [round(float(x), 4) for x in res.accept_per_pos],
-                "accuracy_per_pos": [round(float(x), 4) for x in res.accuracy_per_pos],
-                "lr": lr,
-                "gnorm": round(gnorm, 4),
-                "seconds": round(dt, 3),
-                "tokens": batch.num_tokens,
-                "blocks": r.blocks,
-            }
-            if step % 10 == 0 or step == cfg.steps:
-                history["train"].append({k: rec[k] for k in ("step", "loss", "tv", "tau")})
-            if (cfg.eval_every and step % cfg.eval_every == 0 or step == cfg.steps) and held:
-                ev = run_eval()
-                rec["heldout"] = {k: ev[k] for k in ("loss", "tau", "tau_greedy")}
-                bar.write(
-                    f"step {step} heldout: loss {ev['loss']:.4f} tv {ev['tv']:.4f} tau {ev['tau']:.3f} "
-                    f"tau_greedy {ev['tau_greedy']:.3f} accept {_fmt(ev['accept_per_pos'])} "
-                    f"acc {_fmt(ev['accuracy_per_pos'])} ({ev['seconds']:.1f}s)"
-                )
-            logf.write(json.dumps(rec) + "\n")
-            logf.flush()
-            over_budget = (
-                cfg.max_minutes is not None and time.perf_counter() - t_start > 60.0 * cfg.max_minutes
-            )
-            if step % cfg.ckpt_every == 0 or step == cfg.steps or over_budget:
-                save_checkpoint(run, drafter, opt, state())
-            if over_budget and step < cfg.steps:
-                stopped = "time budget"
-                bar.write(
-                    f"time budget of {cfg.max_minutes} min reached at step {step}: checkpoint saved "
-                    f"in {run}; rerun with --resume to continue"
-                )
-                break
-    except KeyboardInterrupt:
-        stopped = "interrupted"
-        save_checkpoint(run, drafter, opt, state())
-        bar.write(f"interrupted at step {step}: checkpoint saved in {run}")
-    finally:
-        bar.close()
-        logf.close()
+
+    def one_step(index: int) -> StepReport:
+        nonlocal blocks_seen, ema
+        t0 = time.perf_counter()
+        batch = make_batch(data, order.batch(index), cfg.seq_len)
+        lr = lr_at(index, cfg)
+        r, gnorm = train_step(
+            drafter,
+            target,
+            opt,
+            batch,
+            cfg.anchors_per_seq,
+            anchor_generator(cfg.seed, index),
+            lr,
+            cfg.loss,
+            cfg.grad_clip,
+        )
+        dt = time.perf_counter() - t0
+        blocks_seen += r.blocks
+        res = r.res
+        cur = {
+            "loss": float(res.loss.detach()),
+            "tv": float(res.tv),
+            "tau": float(res.tau),
+            "acc1": float(res.accuracy_per_pos[0]),
+        }
+        ema = {k: v if k not in ema else 0.9 * ema[k] + 0.1 * v for k, v in cur.items()}
+        rec: dict[str, Any] = {
+            "loss": round(cur["loss"], 5),
+            "ce": round(float(res.ce), 5),
+            "tv": round(cur["tv"], 5),
+            "confidence": round(float(res.confidence), 5),
+            "tau": round(cur["tau"], 4),
+            "accept_per_pos": [round(float(x), 4) for x in res.accept_per_pos],
+            "accuracy_per_pos": [round(float(x), 4) for x in res.accuracy_per_pos],
+            "lr": lr,
+            "gnorm": round(gnorm, 4),
+            "seconds": round(dt, 3),
+            "tokens": batch.num_tokens,
+            "blocks": r.blocks,
+        }
+        if (index + 1) % 10 == 0 or index + 1 == cfg.steps:
+            history["train"].append({"step": index + 1, **{k: rec[k] for k in ("loss", "tv", "tau")}})
+        postfix = {
+            "loss": f"{ema['loss']:.3f}",
+            "tv": f"{ema['tv']:.3f}",
+            "acc1": f"{ema['acc1']:.2f}",
+            "tau": f"{ema['tau']:.2f}",
+            "lr": f"{lr:.1e}",
+            "s_step": f"{dt:.2f}",
+        }
+        return StepReport(rec, postfix, batch.num_tokens)
+
+    loop = LoopConfig(
+        steps=cfg.steps,
+        eval_every=cfg.eval_every or cfg.steps,
+        ckpt_every=cfg.ckpt_every,
+        max_minutes=cfg.max_minutes,
+        eval_at_start=not history["heldout"],
+        progress=cfg.progress,
+        desc="train draft",
+    )
+    stopped = run_training_loop(
+        loop,
+        prog,
+        run / "log.jsonl",
+        one_step,
+        run_eval if held else None,
+        lambda: save_checkpoint(run, drafter, opt, state()),
+    )
+    step, train_seconds, tokens_seen = prog.step, prog.train_seconds, prog.tokens_seen
 
     drafter.eval()
     out = save_drafter(drafter, cfg.out_dir, include_shared=cfg.include_shared)

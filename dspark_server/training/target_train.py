@@ -34,6 +34,7 @@ from dspark_server.training.chat_format import (
     IM_END,
     render_chat,
 )
+from dspark_server.training.loop import EvalReport, LoopConfig, LoopProgress, StepReport, run_training_loop
 from dspark_server.training.target_data import DataConfig, TokenStream, prepare_data
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")
@@ -284,8 +285,6 @@ def build_model(arch: TargetArch, tok: Tokenizer, seed: int = 0) -> tuple[Target
 
 def train_target(cfg: TrainConfig = TrainConfig()) -> dict[str, Any]:
     """Train (resuming from ``run_dir`` when a checkpoint exists) and export to ``out_dir``."""
-    from tqdm import tqdm
-
     torch.set_num_threads(cfg.threads)
     data_manifest = prepare_data(cfg.data)
     tok = Tokenizer.from_file(str(Path(cfg.data.tokenizer_dir) / "tokenizer.json"))
@@ -295,11 +294,12 @@ def train_target(cfg: TrainConfig = TrainConfig()) -> dict[str, Any]:
     run.mkdir(parents=True, exist_ok=True)
     ckpt = run / "ckpt"
     history: dict[str, Any] = {"train": [], "heldout": []}
-    step, elapsed, tokens_seen = 0, 0.0, 0
+    prog = LoopProgress()
     if cfg.resume and (ckpt / "state.json").is_file():
         st = load_checkpoint(ckpt, model, opt)
-        step, elapsed, tokens_seen, history = st["step"], st["elapsed"], st["tokens_seen"], st["history"]
-        print(f"resumed from {ckpt} at step {step}", flush=True)
+        prog = LoopProgress(st["step"], st["elapsed"], st["tokens_seen"])
+        history = st["history"]
+        print(f"resumed from {ckpt} at step {prog.step}", flush=True)
     train = TokenStream(cfg.data.out_dir, "train")
     held = TokenStream(cfg.data.out_dir, "heldout").fixed_batches(
         cfg.eval_windows, cfg.batch_size, cfg.seq_len
@@ -307,78 +307,51 @@ def train_target(cfg: TrainConfig = TrainConfig()) -> dict[str, Any]:
     n_params = count_parameters(model)
     print(f"parameters: {n_params:,}  train tokens: {train.ids.numel():,}", flush=True)
     model.train()
-    log = (run / "log.jsonl").open("a")
-    ema = None
-    bar = tqdm(total=cfg.steps, initial=step, disable=not cfg.progress, mininterval=5.0, dynamic_ncols=True)
-    t_last = time.time()
-    while step < cfg.steps:
-        x, y, m = train.random_batch(cfg.batch_size, cfg.seq_len, cfg.seed, step)
-        lr = lr_at(step, cfg)
+    ema: float | None = None
+
+    def one_step(index: int) -> StepReport:
+        nonlocal ema
+        x, y, m = train.random_batch(cfg.batch_size, cfg.seq_len, cfg.seed, index)
+        lr = lr_at(index, cfg)
         loss, gnorm = train_step(model, opt, x, y, m, lr, cfg.grad_clip)
-        step += 1
-        now = time.time()
-        elapsed += now - t_last
-        t_last = now
-        tokens_seen += x.numel()
         ema = loss if ema is None else 0.95 * ema + 0.05 * loss
-        bar.update(1)
-        bar.set_postfix(loss=f"{ema:.3f}", lr=f"{lr:.1e}", tok_s=f"{tokens_seen / max(elapsed, 1e-9):.0f}")
-        rec: dict[str, Any] = {
-            "step": step,
-            "loss": round(loss, 4),
-            "ema": round(ema, 4),
-            "lr": lr,
-            "gnorm": round(gnorm, 3),
-            "elapsed": round(elapsed, 1),
+        if (index + 1) % 10 == 0:
+            history["train"].append([index + 1, round(ema, 4)])
+        record = {"loss": round(loss, 4), "ema": round(ema, 4), "lr": lr, "gnorm": round(gnorm, 3)}
+        return StepReport(record, {"loss": f"{ema:.3f}", "lr": f"{lr:.1e}"}, x.numel())
+
+    def run_eval() -> EvalReport:
+        t0 = time.time()
+        held_loss = round(evaluate(model, held), 4)
+        history["heldout"].append([prog.step, held_loss])
+        train_ema = f"{ema:.4f}" if ema is not None else "-"
+        return EvalReport(
+            held_loss, f"train(ema) {train_ema}  heldout {held_loss:.4f}  ({time.time() - t0:.1f}s eval)"
+        )
+
+    def save() -> None:
+        state = {
+            "step": prog.step,
+            "elapsed": prog.train_seconds,
+            "tokens_seen": prog.tokens_seen,
+            "history": history,
+            "config": asdict(cfg),
         }
-        if step % 10 == 0:
-            history["train"].append([step, round(ema, 4)])
-        if step % cfg.eval_every == 0 or step == cfg.steps:
-            t0 = time.time()
-            rec["heldout"] = round(evaluate(model, held), 4)
-            history["heldout"].append([step, rec["heldout"]])
-            bar.write(
-                f"step {step}: train(ema) {ema:.4f}  heldout {rec['heldout']:.4f}  "
-                f"({time.time() - t0:.1f}s eval)"
-            )
-            t_last = time.time()
-        log.write(json.dumps(rec) + "\n")
-        log.flush()
-        if step % cfg.ckpt_every == 0 or step == cfg.steps:
-            save_checkpoint(
-                ckpt,
-                model,
-                opt,
-                {
-                    "step": step,
-                    "elapsed": elapsed,
-                    "tokens_seen": tokens_seen,
-                    "history": history,
-                    "config": asdict(cfg),
-                },
-            )
-            t_last = time.time()
-        if cfg.max_minutes is not None and elapsed > cfg.max_minutes * 60 and step < cfg.steps:
-            bar.write(f"time budget of {cfg.max_minutes} min reached at step {step}; stopping")
-            rec = {"step": step, "heldout": round(evaluate(model, held), 4)}
-            history["heldout"].append([step, rec["heldout"]])
-            save_checkpoint(
-                ckpt,
-                model,
-                opt,
-                {
-                    "step": step,
-                    "elapsed": elapsed,
-                    "tokens_seen": tokens_seen,
-                    "history": history,
-                    "config": asdict(cfg),
-                },
-            )
-            break
-    bar.close()
-    log.close()
+        save_checkpoint(ckpt, model, opt, state)
+
+    loop = LoopConfig(
+        steps=cfg.steps,
+        eval_every=cfg.eval_every,
+        ckpt_every=cfg.ckpt_every,
+        max_minutes=cfg.max_minutes,
+        progress=cfg.progress,
+        desc="train target",
+    )
+    status = run_training_loop(loop, prog, run / "log.jsonl", one_step, run_eval, save)
+    step, elapsed, tokens_seen = prog.step, prog.train_seconds, prog.tokens_seen
     final_held = history["heldout"][-1][1] if history["heldout"] else evaluate(model, held)
     info = {
+        "status": status,
         "parameters": n_params,
         "steps": step,
         "tokens_seen": tokens_seen,
@@ -390,6 +363,8 @@ def train_target(cfg: TrainConfig = TrainConfig()) -> dict[str, Any]:
     }
     model.eval()
     export_model(model, cfg.out_dir, cfg.data.tokenizer_dir, hf, gen, info)
+    if status == "interrupted":
+        raise KeyboardInterrupt
     return info
 
 
