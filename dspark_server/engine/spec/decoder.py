@@ -259,10 +259,10 @@ class SpeculativeDecoder:
             width = max(lens) + 1
             index = torch.tensor(starts[: len(decodes)])[:, None] + torch.arange(width)[None, :]
             index = torch.minimum(index, torch.tensor(ends[: len(decodes)])[:, None] - 1)
-            rows = logits[index]  # [R, L + 1, V]
             if sampling.all_greedy:  # accept while the draft equals the target argmax
-                outcome = verify_greedy(drafts.tokens, rows.argmax(dim=-1), lens)
+                outcome = verify_greedy(drafts.tokens, logits.argmax(dim=-1)[index], lens)
             else:
+                rows = logits[index]  # [R, L + 1, V]
                 flat = shape_probs(
                     rows.reshape(-1, rows.shape[-1]), sampling.repeat_rows(torch.full((len(decodes),), width))
                 )
