@@ -77,7 +77,7 @@ _SPEC = (
         SpeculativeConfig,
         "profile_path",
         str,
-        "SPS cost table JSON (default: a profiles/ match)",
+        "SPS cost table JSON (default: profile the engine at start-up, at most 25 s)",
     ),
     _Flag(
         "--calibration",

@@ -153,7 +153,7 @@ def test_speculative_gauges(server: LoggedServer) -> None:
     for b in PROBES:
         assert value(s, "dspark_spec_sps_base_steps_per_second", batch_tokens=str(b)) == 50.0
         live = value(s, "dspark_spec_sps_live_steps_per_second", batch_tokens=str(b))
-        assert 25.0 <= live <= 100.0  # clamped to [base / 2, base * 2]
+        assert 12.5 <= live <= 200.0  # clamped to [base / 4, base * 4]
     assert sum(value(s, "dspark_spec_sps_samples", batch_tokens=str(b)) for b in PROBES) > 0
     assert value(s, "dspark_spec_calibration_samples", position="0") > 0
     for name in (

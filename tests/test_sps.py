@@ -207,7 +207,7 @@ def test_live_table_stays_valid_and_strictly_increasing(table: SpsCostTable) -> 
         t = live.current_table()
         assert t.sample_batch_tokens == table.sample_batch_tokens
         for base, now in zip(table.sample_steps_per_sec, t.sample_steps_per_sec, strict=True):
-            assert base / 2 <= now <= base * 2
+            assert base / 4 <= now <= base * 4  # the default clamp
     curve = live.curve()
     assert [p.batch_tokens for p in curve] == [4, 16, 64]
     assert sum(p.num_samples for p in curve) == 3 * 8  # windows are bounded

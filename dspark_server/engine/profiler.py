@@ -1,7 +1,9 @@
 """SPS profiling: target verification steps per second vs batch tokens, on this machine.
 
 A probe of B batch tokens runs verification-shaped forwards: ceil(B / (γ+1)) sequences, each
-adding up to γ+1 tokens on top of a cached context, the shape a speculative step has.
+adding up to γ+1 tokens on top of a cached context (384 tokens by default: served requests carry
+long histories, and attention over them is part of a step's cost), the shape a speculative step
+has.
 """
 
 from __future__ import annotations
@@ -29,7 +31,7 @@ def profile_sps(
     runner: ModelRunner,
     max_batch_tokens: int,
     block: int = 8,
-    context: int = 128,
+    context: int = 384,
     repeats: int = 5,
     warmup: int = 2,
     time_budget_s: float | None = None,

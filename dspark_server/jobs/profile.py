@@ -41,7 +41,12 @@ def run_profile(cfg: ProfileConfig) -> tuple[SpsCostTable, Path]:
             bar.refresh()
 
         table = profile_sps(
-            runner, cfg.max_batch_tokens, block=cfg.block, repeats=cfg.repeats, progress=progress
+            runner,
+            cfg.max_batch_tokens,
+            block=cfg.block,
+            context=min(384, max(1, cfg.engine.max_model_len // 2)),
+            repeats=cfg.repeats,
+            progress=progress,
         )
     out = Path(cfg.out) if cfg.out else default_profile_path(cfg.engine.model_dir)
     save_sps_table(

@@ -314,12 +314,24 @@ class RegimeCalibration:
         for key in lists:
             if not isinstance(data.get(key, []), list):
                 raise ValueError(f"calibration regime: {key!r} must be a list, got {data[key]!r}")
-        maps = {k: data.get(k) for k in ("survival_map", "capped_map")}
+
+        def survival_map(key: str) -> SurvivalMap | None:
+            raw = data.get(key)
+            return None if raw is None else SurvivalMap.from_dict(raw)
+
+        def numbers(key: str) -> tuple[float, ...]:
+            return tuple(data.get(key, []))
+
         return cls(
             sampling_temperature=data["sampling_temperature"],
-            **{k: None if v is None else SurvivalMap.from_dict(v) for k, v in maps.items()},
+            temperatures=numbers("temperatures"),
+            survival_map=survival_map("survival_map"),
+            capped_map=survival_map("capped_map"),
             num_samples=data.get("num_samples", 0),
-            **{key: tuple(data.get(key, [])) for key in lists},
+            ece_before=numbers("ece_before"),
+            ece_sts=numbers("ece_sts"),
+            ece_after=numbers("ece_after"),
+            ece_after_cv=numbers("ece_after_cv"),
         )
 
 

@@ -53,7 +53,7 @@ class LiveSpsTable:
         window: int = 64,
         samples_for_full_weight: int = 32,
         max_weight: float = 0.8,
-        clamp_factor: float = 2.0,
+        clamp_factor: float = 4.0,
         enabled: bool = True,
     ) -> None:
         if window < 1 or samples_for_full_weight < 1:

@@ -8,6 +8,7 @@ its output exists, so an interrupted run is continued by running the same comman
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import shutil
 import sys
@@ -158,7 +159,7 @@ def main(argv: list[str] | None = None) -> int:
         _stage(
             f"calibration at temperature {t:g}",
             draft_dir / f"sts_calibration.t{t:g}.png",
-            lambda t=t: _calibrate(work, target_dir, draft_dir, t, "sts_calibration.json"),
+            functools.partial(_calibrate, work, target_dir, draft_dir, t, "sts_calibration.json"),
         )
     _stage(
         "greedy calibration",

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import logging
 from pathlib import Path
 
@@ -29,8 +28,10 @@ log = logging.getLogger(__name__)
 
 CALIBRATION_FILE = "sts_calibration.json"
 GREEDY_CALIBRATION_FILE = "sts_calibration_greedy.json"
-PROFILES_DIR = Path(__file__).resolve().parents[2] / "profiles"
 STARTUP_PROFILE_BUDGET_S = 25.0
+# Cached tokens behind each probed sequence: requests being served have long histories, and a
+# forward over them costs more than over a short context.
+PROFILE_CONTEXT = 384
 
 
 def build_speculative(cfg: EngineConfig, runner: ModelRunner) -> SpeculativeDecoder:
@@ -89,20 +90,19 @@ def resolve_greedy_calibration(cfg: EngineConfig) -> CalibrationSet | None:
 
 
 def resolve_sps_table(cfg: EngineConfig, runner: ModelRunner) -> SpsCostTable:
-    """--profile, else a table in profiles/ or the cache made for this model and machine, else
-    profile now (bounded) and cache the result."""
+    """--profile, else a profile measured now (bounded in time) on this engine as it is built: a
+    table from an earlier run or another build (a different attention path, a busy machine)
+    could be off by several times, more than the live refresh may correct. The table is also
+    written to the cache directory, for inspection."""
     if cfg.spec.profile_path:
         return load_sps_table(cfg.spec.profile_path)
     key = profile_key(cfg.model_dir, cfg.dtype)
-    for candidate in [*sorted(PROFILES_DIR.glob("*.json")), cache_dir() / f"{key}.json"]:
-        if candidate.is_file() and _profile_key_of(candidate) == key:
-            log.info("using SPS profile %s", candidate)
-            return load_sps_table(candidate)
-    log.info("no SPS profile for this model and machine: profiling (<= %.0f s)", STARTUP_PROFILE_BUDGET_S)
+    log.info("profiling verification steps for the SPS table (<= %.0f s)", STARTUP_PROFILE_BUDGET_S)
     table = profile_sps(
         runner,
         cfg.max_batch_tokens,
         block=(cfg.spec.gamma or 7) + 1,
+        context=min(PROFILE_CONTEXT, max(1, cfg.max_model_len // 2)),
         repeats=3,
         time_budget_s=STARTUP_PROFILE_BUDGET_S,
     )
@@ -118,11 +118,3 @@ def resolve_sps_table(cfg: EngineConfig, runner: ModelRunner) -> SpsCostTable:
         },
     )
     return table
-
-
-def _profile_key_of(path: Path) -> str | None:
-    try:
-        raw = json.loads(path.read_text())
-    except (OSError, json.JSONDecodeError):
-        return None
-    return raw.get("profile_key") if isinstance(raw, dict) else None
