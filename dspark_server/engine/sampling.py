@@ -98,17 +98,32 @@ def sample(
     probs: torch.Tensor,
     generators: Sequence[torch.Generator],
     keys: Sequence[NoiseKey | None] | None = None,
+    uniforms: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """One token per row: seeded rows (a key) by keyed Gumbel-max, others with their request's
-    own generator."""
-    out = torch.empty(probs.shape[0], dtype=torch.long)
-    for i, g in enumerate(generators):
-        key = keys[i] if keys is not None else None
+    """One token per row of probs [N, V]: seeded rows (a key) by keyed Gumbel-max, the others by
+    one inverse-CDF draw with a uniform from their request's own generator (``uniforms`` [N]:
+    drawn beforehand, e.g. one call per request for a whole draft block)."""
+    if uniforms is None:
+        uniforms = (
+            torch.stack([torch.rand((), generator=g) for g in generators])
+            if len(generators)
+            else torch.zeros(0)
+        )
+    out = inverse_cdf(probs, uniforms)
+    for i, key in enumerate(keys or ()):
         if key is not None:
             out[i] = keyed_argmax(probs[i : i + 1], key)[0]
-        else:
-            out[i] = torch.multinomial(probs[i], 1, generator=g)
     return out
+
+
+def inverse_cdf(weights: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:
+    """One draw per row of unnormalised weights [N, V] from uniforms [N] in [0, 1): the first
+    index whose cumulative weight exceeds u · total (never a zero-weight index; one-hot rows give
+    their hot index whatever u is)."""
+    cdf = weights.double().cumsum(dim=1)
+    target = (uniforms.double() * cdf[:, -1])[:, None]
+    idx = torch.searchsorted(cdf, target, right=True)[:, 0]
+    return idx.clamp_(max=weights.shape[1] - 1)
 
 
 def sample_from_logits(

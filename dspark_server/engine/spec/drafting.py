@@ -41,6 +41,8 @@ def sample_drafts(
     """Left to right over the γ positions of every request's block; seeded rows (a key) draw
     x_k by keyed Gumbel-max at output position key + k, the noise their target draw will use."""
     greedy = sampling.all_greedy
+    # one draw per request for the whole block: x_k uses column k
+    uniforms = None if greedy else torch.stack([torch.rand(gamma, generator=g) for g in generators])
     state = drafter.init_head_state(block.hidden[:, 0])
     prev = anchors
     tokens, probs, prevs = [], [], []
@@ -51,7 +53,9 @@ def sample_drafts(
             prev = step_logits.argmax(dim=-1)
         else:
             qk = shape_probs(step_logits, sampling)
-            prev = sample(qk, generators, [key.shifted(k) if key is not None else None for key in keys])
+            assert uniforms is not None
+            shifted = [key.shifted(k) if key is not None else None for key in keys]
+            prev = sample(qk, generators, shifted, uniforms[:, k])
             probs.append(qk)
         tokens.append(prev)
     conf = drafter.confidence_logits(block.hidden[:, :gamma], torch.stack(prevs, dim=1))

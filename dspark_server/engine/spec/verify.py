@@ -25,6 +25,7 @@ from dataclasses import dataclass
 import torch
 
 from dspark_server.engine.noise import NoiseKey, keyed_argmax
+from dspark_server.engine.sampling import inverse_cdf
 
 
 @dataclass(frozen=True)
@@ -104,16 +105,6 @@ def verify_padded(
                 draft_tokens[r, : lengths[r]].tolist(), p[r, : lengths[r] + 1], key
             )
     return VerifyOutcome(out_acc, out_tok)
-
-
-def inverse_cdf(weights: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:
-    """One draw per row of unnormalised weights [N, V] from uniforms [N] in [0, 1): the first
-    index whose cumulative weight exceeds u · total (never a zero-weight index; one-hot rows give
-    their hot index whatever u is)."""
-    cdf = weights.double().cumsum(dim=1)
-    target = (uniforms.double() * cdf[:, -1])[:, None]
-    idx = torch.searchsorted(cdf, target, right=True)[:, 0]
-    return idx.clamp_(max=weights.shape[1] - 1)
 
 
 def verify_greedy(

@@ -1,0 +1,136 @@
+"""Tables, ratios and a plot from the external-client serving benchmark's output lines.
+
+    python -m tools.serve_bench_table RUN.txt [RUN.txt ...] --title T --out docs/benchmarks/serve_bench
+
+Each input holds the lines ``../shared/tools/serve-bench.sh`` prints (SGLang 0.5.23's
+``sglang.bench_serving`` against ``dspark serve`` in each mode, and optionally llama.cpp):
+``SYSTEM SET c=C T=T tps=X ttft_ms=Y tpot_ms=Z``. Writes OUT.md (a table per prompt set and
+temperature: output tokens/s per system, dspark / off, dspark / the best other mode, median TTFT
+and dspark's TTFT / off's), OUT.json (the parsed numbers) and OUT.png (tokens/s vs concurrency).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+from collections import defaultdict
+from pathlib import Path
+from typing import Any
+
+LINE = re.compile(
+    r"^(?P<sys>\S+) (?P<set>\S+) c=(?P<c>\d+) T=(?P<t>[\d.]+) tps=(?P<tps>[\d.]+) "
+    r"ttft_ms=(?P<ttft>[\d.]+) tpot_ms=(?P<tpot>[\d.]+)"
+)
+OURS = "ours-dspark"
+
+
+def parse(paths: list[Path]) -> list[dict[str, Any]]:
+    rows = []
+    for path in paths:
+        for line in path.read_text().splitlines():
+            m = LINE.match(line.strip())
+            if m:
+                rows.append(
+                    {
+                        "system": m["sys"],
+                        "set": m["set"],
+                        "concurrency": int(m["c"]),
+                        "temperature": float(m["t"]),
+                        "tps": float(m["tps"]),
+                        "ttft_ms": float(m["ttft"]),
+                        "tpot_ms": float(m["tpot"]),
+                    }
+                )
+    return rows
+
+
+def _fmt(x: float | None, digits: int = 2) -> str:
+    return "–" if x is None else f"{x:.{digits}f}"
+
+
+def tables(rows: list[dict[str, Any]]) -> str:
+    by: dict[tuple[str, float], dict[int, dict[str, dict[str, Any]]]] = defaultdict(lambda: defaultdict(dict))
+    for r in rows:
+        by[(r["set"], r["temperature"])][r["concurrency"]][r["system"]] = r
+    systems = sorted({r["system"] for r in rows}, key=lambda s: (not s.startswith("ours"), s))
+    out = []
+    for (name, temp), per_c in sorted(by.items()):
+        out.append(f"### {name}, temperature {temp:g}\n")
+        head = ["concurrency", *[f"{s} tok/s" for s in systems]]
+        if OURS in systems:
+            head += ["dspark / off", "dspark / best other", "TTFT off ms", "TTFT dspark ms", "TTFT ratio"]
+        out.append("| " + " | ".join(head) + " |")
+        out.append("| " + " | ".join("---" for _ in head) + " |")
+        for c in sorted(per_c):
+            cell = per_c[c]
+            line = [str(c), *[_fmt(cell[s]["tps"], 0) if s in cell else "–" for s in systems]]
+            if OURS in systems and OURS in cell:
+                ours = cell[OURS]
+                off = cell.get("ours-off")
+                others = [cell[s]["tps"] for s in systems if s != OURS and s in cell]
+                line += [
+                    _fmt(ours["tps"] / off["tps"] if off else None),
+                    _fmt(ours["tps"] / max(others) if others else None),
+                    _fmt(off["ttft_ms"] if off else None, 0),
+                    _fmt(ours["ttft_ms"], 0),
+                    _fmt(ours["ttft_ms"] / off["ttft_ms"] if off and off["ttft_ms"] > 0 else None),
+                ]
+            out.append("| " + " | ".join(line) + " |")
+        out.append("")
+    return "\n".join(out)
+
+
+def plot(rows: list[dict[str, Any]], path: Path, title: str) -> None:
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+
+    panels = sorted({(r["set"], r["temperature"]) for r in rows})
+    fig = Figure(figsize=(4.5 * len(panels), 3.8), dpi=110)
+    FigureCanvasAgg(fig)
+    for i, (name, temp) in enumerate(panels):
+        ax = fig.add_subplot(1, len(panels), i + 1)
+        for system in sorted({r["system"] for r in rows}):
+            pts = sorted(
+                (r["concurrency"], r["tps"])
+                for r in rows
+                if r["system"] == system and r["set"] == name and r["temperature"] == temp
+            )
+            if pts:
+                ax.plot([p[0] for p in pts], [p[1] for p in pts], "o-", label=system, markersize=3)
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel("concurrency")
+        ax.set_ylabel("output tokens/s")
+        ax.set_title(f"{name}, T={temp:g}", fontsize=9)
+        ax.grid(True, alpha=0.3)
+        ax.legend(fontsize=7)
+    fig.suptitle(title, fontsize=10)
+    fig.tight_layout()
+    fig.savefig(path)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("runs", type=Path, nargs="+", help="serve-bench.sh output files")
+    p.add_argument("--out", type=Path, required=True, help="path prefix: writes .md, .json, .png")
+    p.add_argument("--title", default="dspark serve under SGLang's bench_serving")
+    p.add_argument("--command", default="", help="the command that produced the runs (quoted in the page)")
+    a = p.parse_args(argv)
+    rows = parse(a.runs)
+    if not rows:
+        p.error("no serve-bench lines found")
+    a.out.parent.mkdir(parents=True, exist_ok=True)
+    a.out.with_suffix(".json").write_text(json.dumps(rows, indent=2) + "\n")
+    plot(rows, a.out.with_suffix(".png"), a.title)
+    page = [f"## {a.title}\n"]
+    if a.command:
+        page.append(f"Measured with `{a.command}` (generated by `python -m tools.serve_bench_table`).\n")
+    page.append(f"![tokens/s vs concurrency]({a.out.with_suffix('.png').name})\n")
+    page.append(tables(rows))
+    a.out.with_suffix(".md").write_text("\n".join(page))
+    print(tables(rows))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
