@@ -25,6 +25,7 @@ from prometheus_client.registry import Collector
 
 if TYPE_CHECKING:
     from dspark_server.engine.backend import Backend
+    from dspark_server.engine.stats import EngineStats
 
 disable_created_metrics()  # no *_created series: they double the exposition for nothing
 
@@ -169,7 +170,13 @@ class _Collector(Collector):
 
 
 def _engine_families(backend: Backend) -> Iterator[Metric]:
-    s = backend.stats
+    yield from _request_families(backend.stats)
+    yield from _load_families(backend)
+    yield from _spec_families(backend)
+
+
+def _request_families(s: EngineStats) -> Iterator[Metric]:
+    """Counters of tokens, steps, preemptions, finished requests and speculative choices."""
     yield _counter(
         "dspark_prompt_tokens",
         "Prompt tokens prefilled (recomputation after preemption included).",
@@ -200,6 +207,9 @@ def _engine_families(backend: Backend) -> Iterator[Metric]:
         choices.add_metric([bucket, choice], n)
     yield choices
 
+
+def _load_families(backend: Backend) -> Iterator[Metric]:
+    """Queue and KV cache gauges, read live."""
     load = backend.load()
     yield _gauge("dspark_num_requests_running", "Requests in the running set.", load.running)
     yield _gauge("dspark_num_requests_waiting", "Requests waiting for admission.", load.waiting)
@@ -221,6 +231,10 @@ def _engine_families(backend: Backend) -> Iterator[Metric]:
     used = 1.0 - load.kv_free_pages / load.kv_total_pages if load.kv_total_pages else 0.0
     yield _gauge("dspark_kv_cache_usage_ratio", "Fraction of KV cache pages in use (0..1).", used)
 
+
+def _spec_families(backend: Backend) -> Iterator[Metric]:
+    """The speculative decoder's configuration, counters, SPS curve and calibration drift."""
+    s = backend.stats
     spec = backend.spec_snapshot()
     if spec is None:
         return
