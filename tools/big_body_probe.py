@@ -41,7 +41,7 @@ def main() -> None:
     ap.add_argument("--pid", type=int, required=True, help="the server's process id (for its memory)")
     ap.add_argument("--bodies", type=int, default=8)
     ap.add_argument("--mb", type=float, default=4.0)
-    ap.add_argument("--stream-tokens", type=int, default=1500)
+    ap.add_argument("--stream-tokens", type=int, default=1900)
     args = ap.parse_args()
     reps = int(args.mb * 1e6 / 4)
     body = json.dumps({"messages": [{"role": "user", "content": "x y " * reps}], "max_tokens": 4}).encode()
@@ -54,6 +54,7 @@ def main() -> None:
             "messages": [{"role": "user", "content": "def add"}],
             "max_tokens": args.stream_tokens,
             "temperature": 0,
+            "ignore_eos": True,  # the stream must outlast the burst
             "stream": True,
         }
         with httpx.stream("POST", f"{args.url}/v1/chat/completions", json=req, timeout=300) as r:
