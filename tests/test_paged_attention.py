@@ -269,3 +269,22 @@ def test_kernel_build_is_cached(tmp_path: Path, monkeypatch: pytest.MonkeyPatch)
     stamp = first.stat().st_mtime_ns
     assert first.parent == tmp_path and paged_kernel.build(compiler) == first
     assert first.stat().st_mtime_ns == stamp and list(tmp_path.iterdir()) == [first]
+
+
+def test_loading_the_kernel_leaves_the_process_floating_point_state_alone(tmp_path: Path) -> None:
+    """A kernel linked with -ffast-math turns on flush-to-zero for the whole process when loaded:
+    subnormals become 0 (Python then reads 5e-324 as 0.0 and requests with tiny top_p fail)."""
+    import subprocess
+    import sys
+
+    code = (
+        "import torch\n"
+        "from dspark_server.models.attention import KVPool\n"
+        "KVPool(1, 64, 2, 64, torch.float32, impl='kernel')\n"
+        "assert float('5e-324') > 0, 'flush-to-zero: 5e-324 parsed as 0.0'\n"
+        "x = torch.tensor([1e-40], dtype=torch.float32)\n"
+        "assert float(x * 1.0) > 0, 'flush-to-zero in float32 arithmetic'\n"
+    )
+    env = {**__import__("os").environ, "DSPARK_KERNEL_CACHE": str(tmp_path)}
+    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=120)
+    assert run.returncode == 0, run.stderr[-2000:]

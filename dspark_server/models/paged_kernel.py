@@ -29,7 +29,22 @@ from dspark_server.models.paged_layout import PagedLayout
 log = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).parent / "kernels" / "paged_attention.cpp"
-FLAGS = ("-O3", "-march=native", "-mprefer-vector-width=512", "-ffast-math", "-fopenmp", "-shared", "-fPIC")
+# No -ffast-math: linking a shared object with it pulls in crtfastmath, which turns on flush-to-zero
+# for the whole process when the kernel is loaded (Python then parses 5e-324 as 0.0). The flags
+# below give the same vectorised reductions without touching the process's floating-point state.
+FLAGS = (
+    "-O3",
+    "-march=native",
+    "-mprefer-vector-width=512",
+    "-fno-math-errno",
+    "-fno-trapping-math",
+    "-fassociative-math",
+    "-fno-signed-zeros",
+    "-freciprocal-math",
+    "-fopenmp",
+    "-shared",
+    "-fPIC",
+)
 _DTYPES = {torch.float32: 0, torch.bfloat16: 1}
 _HEAD_DIMS = (16, 32, 64, 80, 96, 128, 256)
 _P = ctypes.c_void_p
