@@ -63,7 +63,7 @@ from .sts import (
     expected_calibration_error,
     fit_sts,
     prefix_targets,
-    reliability_bins,
+    reliability_curve,
 )
 
 EXTENSION_KEY = "dspark_calibration"
@@ -644,12 +644,10 @@ def plot_calibration_set(
             ax = fig.add_subplot(len(temps), gamma, row * gamma + k + 1)
             ax.plot([0, 1], [0, 1], "--", color="gray", linewidth=1)
             for label, probs, color in curves:
-                pred, real, count = reliability_bins(probs[:, k], targets[:, k], num_bins)
-                keep = count > 0
-                ece = expected_calibration_error(probs[:, k], targets[:, k], num_bins)
+                pred, real, ece = reliability_curve(probs[:, k], targets[:, k], num_bins)
                 ax.plot(
-                    pred[keep].numpy(),
-                    real[keep].numpy(),
+                    pred,
+                    real,
                     "o-",
                     color=color,
                     markersize=2,

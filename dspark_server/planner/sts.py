@@ -74,6 +74,17 @@ def reliability_bins(
     return pred / count, real / count, count
 
 
+def reliability_curve(
+    probs: torch.Tensor, targets: torch.Tensor, num_bins: int = DEFAULT_NUM_BINS
+) -> tuple[list[float], list[float], float]:
+    """What a reliability plot draws: mean predicted and realised frequency of the non-empty bins,
+    and the ECE."""
+    pred, real, count = reliability_bins(probs, targets, num_bins)
+    keep = count > 0
+    ece = expected_calibration_error(probs, targets, num_bins)
+    return pred[keep].tolist(), real[keep].tolist(), ece
+
+
 def prefix_targets(accepted: torch.Tensor, gamma: int) -> torch.Tensor:
     """[N, gamma] float: entry (n, k-1) is 1 when round n accepted at least k drafts
     (SGLang's ``prefix_mask``)."""
@@ -269,12 +280,10 @@ def plot_reliability_diagram(
         ax = fig.add_subplot(rows, cols, k + 1)
         ax.plot([0, 1], [0, 1], "--", color="gray", linewidth=1)
         for probs, label, color in ((raw, "raw", "tab:red"), (cal, "STS", "tab:blue")):
-            pred, real, count = reliability_bins(probs[:, k], targets[:, k], num_bins)
-            keep = count > 0
-            ece = expected_calibration_error(probs[:, k], targets[:, k], num_bins)
+            pred, real, ece = reliability_curve(probs[:, k], targets[:, k], num_bins)
             ax.plot(
-                pred[keep].numpy(),
-                real[keep].numpy(),
+                pred,
+                real,
                 "o-",
                 color=color,
                 markersize=3,
