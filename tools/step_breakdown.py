@@ -45,7 +45,7 @@ def _wrap(obj: object, name: str, totals: dict[str, float], key: str) -> None:
 def breakdown(
     requests: int, mode: str, prompts: list[str], model: str, draft: str, steps: int, gate: bool, temp: float
 ) -> dict[str, Any]:
-    spec = SpeculativeConfig(mode=mode if mode != "off" else "off", draft_gate=gate)  # type: ignore[arg-type]
+    spec = SpeculativeConfig(mode=mode, draft_gate=gate)  # type: ignore[arg-type]
     cfg = EngineConfig(
         model_dir=model, draft_dir=draft if mode != "off" else None, max_running=requests, spec=spec
     )

@@ -35,7 +35,7 @@ from dspark_server.engine.spec.rounds import RoundRecord
 from dspark_server.engine.spec.step_overhead import StepOverhead
 from dspark_server.engine.spec.verify import VerifyOutcome, verify_greedy, verify_padded
 from dspark_server.models.attention import KVPool
-from dspark_server.models.drafter import DraftContext, DSparkDrafter
+from dspark_server.models.drafter import DraftBlock, DraftContext, DSparkDrafter
 from dspark_server.planner import (
     CalibrationDriftTracker,
     CalibrationSet,
@@ -133,13 +133,13 @@ class SpeculativeDecoder:
         drafts = Drafts.empty(len(decodes), self.gamma)
         plan = _Plan([0] * len(decodes), None, None)
         draft_s = 0.0
+        anchor_pos = [r.num_computed for r in decodes]
         if drafting:
-            drafts = self._draft(runner.allocator, decodes, sampling)
+            drafts = self._draft(runner.allocator, decodes, anchor_pos, sampling)
             draft_s = time.perf_counter() - t_start
             plan = self._plan(decodes, drafts, sampling, draft_s, max_draft_tokens, prefill_tokens)
         self.last_verify_lens = plan.lens
 
-        anchor_pos = [r.num_computed for r in decodes]
         forward, outcome, rows = self._verify(runner, decodes, prefills, drafts, plan.lens, sampling)
         if self.live_sps is not None and not prefills:  # prefill chunks would skew the curve
             self.live_sps.record(forward.batch.num_tokens, forward.seconds)
@@ -175,9 +175,10 @@ class SpeculativeDecoder:
 
     # ---- phases ----------------------------------------------------------------------------
 
-    def _draft(self, alloc: PageAllocator, decodes: list[Request], sampling: SamplingTensors) -> Drafts:
+    def _draft(
+        self, alloc: PageAllocator, decodes: list[Request], anchor_pos: list[int], sampling: SamplingTensors
+    ) -> Drafts:
         """One backbone pass for all decoding requests, then the sequential head."""
-        anchor_pos = [r.num_computed for r in decodes]
         anchors = torch.tensor([r.all_ids[-1] for r in decodes])
         ctx = DraftContext.from_slot_lists(
             [alloc.slots(r.table, 0, p) for r, p in zip(decodes, anchor_pos, strict=True)]
@@ -188,13 +189,13 @@ class SpeculativeDecoder:
     def sample_drafts(
         self,
         decodes: list[Request],
-        block: object,
+        block: DraftBlock,
         anchors: torch.Tensor,
         sampling: SamplingTensors,
         generators: Sequence[torch.Generator],
     ) -> Drafts:
         keys = [r.noise_key for r in decodes]
-        return sample_drafts(self.drafter, self.gamma, block, anchors, sampling, generators, keys)  # type: ignore[arg-type]
+        return sample_drafts(self.drafter, self.gamma, block, anchors, sampling, generators, keys)
 
     def _plan(
         self,
