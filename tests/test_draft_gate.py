@@ -1,5 +1,5 @@
-"""The draft gate picks the measured-faster choice per load and keeps exploring the other, more
-rarely the more an exploring step costs."""
+"""The draft gate forecasts a drafting step's tokens from each request's own acceptance and the
+measured step times per load, picks the faster choice, and keeps exploring the other one."""
 
 from __future__ import annotations
 
@@ -7,45 +7,90 @@ import pytest
 
 from dspark_server.engine.spec.draft_gate import DraftGate
 
+IDS8 = [f"r{i}" for i in range(8)]
+
+
+def _warm(gate: DraftGate, ids: list[str], draft: tuple[int, float], plain_s: float) -> None:
+    """One drafting step (each request emits ``draft[0]`` tokens in ``draft[1]`` s), one plain."""
+    assert gate.choose(ids) is True
+    gate.record(ids, True, [draft[0]] * len(ids), draft[1])
+    assert gate.choose(ids) is False
+    gate.record(ids, False, [1] * len(ids), plain_s)
+
 
 def test_gate_measures_both_then_follows_the_faster_and_explores() -> None:
-    gate = DraftGate(explore_every=4, smoothing=1.0, max_explore_overhead=0.5, min_samples=1)
-    assert gate.choose(8) is True  # nothing known: draft
-    gate.record(8, True, tokens=80, seconds=1.0)
-    assert gate.choose(8) is False  # plain rate unknown: measure it
-    gate.record(8, False, tokens=60, seconds=1.0)
-    picks = [gate.choose(8) for _ in range(8)]
-    # close rates: exploring is cheap, so every explore_every-th step goes to the slower choice
+    gate = DraftGate(explore_every=4, max_explore_interval=4, max_explore_overhead=0.5, min_samples=1)
+    _warm(gate, IDS8, (10, 1.0), 1.0)  # drafting: 80 tokens/s, plain: 8 tokens/s
+    picks = [gate.choose(IDS8) for _ in range(8)]
+    # every explore_every-th step goes to the slower choice
     assert picks.count(True) == 6 and picks.count(False) == 2
-    gate.record(8, False, tokens=100, seconds=1.0)  # plain becomes faster at this load
-    picks = [gate.choose(8) for _ in range(8)]
+    # the requests turn hard: their own forecasts fall below one token per drafting step's time
+    for _ in range(6):
+        gate.record(IDS8, True, [1] * 8, 2.0)
+    picks = [gate.choose(IDS8) for _ in range(8)]
     assert picks.count(False) == 6
-    # another load bucket keeps its own estimates
-    assert gate.choose(64) is True
-    assert gate.rates()[DraftGate.bucket_of(8)] == (80.0, 100.0)
+    # another load bucket keeps its own step times: it measures both again
+    assert gate.choose([f"x{i}" for i in range(64)]) is True
+    assert DraftGate.bucket_of(64) != DraftGate.bucket_of(8)
 
 
-def test_costly_exploration_is_rare() -> None:
+def test_one_hard_request_does_not_switch_drafting_off_for_the_next() -> None:
+    # the c=1 failure on the widened twin: the first request accepted nothing for its first
+    # drafting steps, and the gate, averaging all requests of the load bucket, chose plain for
+    # every later request too
+    gate = DraftGate(min_samples=2, request_smoothing=0.5, smoothing=0.05)
+    for _ in range(2):
+        gate.choose(["hard"])
+        gate.record(["hard"], True, [1], 0.100)
+        gate.choose(["hard"])
+        gate.record(["hard"], False, [1], 0.030)
+    # the hard one: 1 token per 100 ms drafting vs 1 per 30 ms plain -> plain
+    assert gate.choose(["hard"]) is False
+    # an easy request after it: the gate explores it within max_explore_interval steps, and one
+    # good drafting step (7 tokens) is enough to draft from then on
+    picks = [gate.choose(["easy"]) for _ in range(gate.max_explore_interval)]
+    assert picks.count(True) == 1
+    gate.record(["easy"], True, [7], 0.100)
+    assert all(gate.choose(["easy"]) for _ in range(8))
+    # ...while the hard request, were it still running beside another hard one, would not draft
+    assert gate.forecast_tokens(["easy"]) > 3.3 > gate.forecast_tokens(["hard2"])
+
+
+def test_costly_exploration_is_rare_but_bounded() -> None:
     # a draft step takes 6x a plain step and emits 1.2x its tokens: each exploring step loses
-    # 6 * (1 - 0.2) = 4.8 plain-step times, so a 2% budget allows one every 240 steps
-    gate = DraftGate(explore_every=4, smoothing=1.0, max_explore_overhead=0.02, min_samples=1)
-    gate.choose(64)
-    gate.record(64, True, tokens=77, seconds=0.060)
-    gate.choose(64)
-    gate.record(64, False, tokens=64, seconds=0.010)
-    picks = [gate.choose(64) for _ in range(480)]
-    assert picks.count(True) == 2 and picks[239] and picks[479]
-    spent = picks.count(True) * 0.060 + picks.count(False) * 0.010
-    tokens = picks.count(True) * 77 + picks.count(False) * 64
-    assert spent / (tokens / 6400) - 1 <= 0.02 + 1e-9  # time lost vs all-plain for the same tokens
+    # 6 * (1 - 0.2) = 4.8 plain-step times, so a 2% budget allows one every 241 steps; the
+    # interval cap (64) keeps the forecast fresh at a bounded cost
+    ids = [f"r{i}" for i in range(64)]
+    gate = DraftGate(explore_every=4, max_explore_interval=256, max_explore_overhead=0.02, min_samples=1)
+    gate.choose(ids)
+    gate.record(ids, True, [1] * 52 + [2] * 12, 0.060)  # 76 tokens, 1.1875 per request
+    gate.choose(ids)
+    gate.record(ids, False, [1] * 64, 0.010)
+    lost = 0.060 * (1 - (76 / 0.060) / (64 / 0.010))  # 4.8 plain steps' time
+    assert gate.explore_interval(lost, 0.010) == 241
+    picks = [gate.choose(ids) for _ in range(482)]
+    assert picks.count(True) == 2 and picks[240] and picks[481]
+    capped = DraftGate(explore_every=4, max_explore_interval=64)
+    assert capped.explore_interval(lost, 0.010) == 64
+    assert capped.explore_interval(0.0, 0.010) == 4
+
+
+def test_forecasts_follow_each_request_and_are_dropped_when_it_leaves() -> None:
+    gate = DraftGate(min_samples=1, request_smoothing=0.5, smoothing=1.0)
+    gate.choose(["a", "b"])
+    gate.record(["a", "b"], True, [7, 1], 0.05)
+    assert gate.forecast_tokens(["a"]) == pytest.approx(0.5 * 4 + 0.5 * 7)  # prior 4 = mean
+    assert gate.forecast_tokens(["b"]) == pytest.approx(0.5 * 4 + 0.5 * 1)
+    gate.choose(["a"])  # b finished: its forecast goes; a newcomer starts from the prior
+    assert gate.forecast_tokens(["b"]) == pytest.approx(4.0)
 
 
 def test_gate_ignores_unusable_timings() -> None:
     gate = DraftGate()
-    gate.record(4, True, tokens=10, seconds=0.0)
-    gate.record(4, True, tokens=10, seconds=float("nan"))
+    gate.record(["a"] * 4, True, [10] * 4, 0.0)
+    gate.record(["a"] * 4, True, [10] * 4, float("nan"))
     assert gate.rates() == {}
-    assert gate.choose(4) is True
+    assert gate.choose(["a", "b", "c", "d"]) is True
 
 
 def test_warm_up_measures_both_choices_before_one_slow_step_can_decide() -> None:
@@ -53,11 +98,11 @@ def test_warm_up_measures_both_choices_before_one_slow_step_can_decide() -> None
     draft_steps = iter([(1, 0.030), (5, 0.015), (5, 0.015)])  # a cold first draft step, then normal
     picks = []
     for _ in range(6):
-        drafted = gate.choose(1)
+        drafted = gate.choose(["a"])
         picks.append(drafted)
         tokens, seconds = next(draft_steps) if drafted else (1, 0.007)
-        gate.record(1, drafted, tokens, seconds)
+        gate.record(["a"], drafted, [tokens], seconds)
     assert picks == [True, False, True, False, True, False]  # alternating until 3 of each
     draft_rate, plain_rate = gate.rates()[DraftGate.bucket_of(1)]
-    assert draft_rate == pytest.approx(11 / 0.060) and plain_rate == pytest.approx(1 / 0.007)  # plain means
-    assert gate.choose(1) is True
+    assert draft_rate == pytest.approx((11 / 3) / 0.020) and plain_rate == pytest.approx(1 / 0.007)
+    assert gate.choose(["a"]) is True  # a's own forecast: 0.5 * (0.5 * prior + 0.5 * 1) ... ≈ 4

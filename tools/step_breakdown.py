@@ -43,11 +43,23 @@ def _wrap(obj: object, name: str, totals: dict[str, float], key: str) -> None:
 
 
 def breakdown(
-    requests: int, mode: str, prompts: list[str], model: str, draft: str, steps: int, gate: bool, temp: float
+    requests: int,
+    mode: str,
+    prompts: list[str],
+    model: str,
+    draft: str,
+    steps: int,
+    gate: bool,
+    temp: float,
+    dtype: str = "float32",
 ) -> dict[str, Any]:
     spec = SpeculativeConfig(mode=mode, draft_gate=gate)  # type: ignore[arg-type]
     cfg = EngineConfig(
-        model_dir=model, draft_dir=draft if mode != "off" else None, max_running=requests, spec=spec
+        model_dir=model,
+        draft_dir=draft if mode != "off" else None,
+        max_running=requests,
+        spec=spec,
+        dtype=dtype,
     )
     eng = LLMEngine(cfg)
     totals: dict[str, float] = collections.defaultdict(float)
@@ -89,6 +101,7 @@ def breakdown(
         "ms_per_step": round(1000 * wall / done, 3),
         "phases_ms": {k: round(v, 3) for k, v in sorted(ms.items())},
         "threads": torch.get_num_threads(),
+        "dtype": dtype,
     }
 
 
@@ -107,6 +120,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--temperature", type=float, default=0.0)
     p.add_argument("--gate", action="store_true", help="keep the draft gate on")
     p.add_argument("--threads", type=int, default=None)
+    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     p.add_argument("--out", type=Path, default=None)
     a = p.parse_args(argv)
     if a.threads:
@@ -118,7 +132,7 @@ def main(argv: list[str] | None = None) -> int:
     rows = []
     for n in a.requests:
         for mode in a.modes:
-            row = breakdown(n, mode, prompts, a.model, a.draft, a.steps, a.gate, a.temperature)
+            row = breakdown(n, mode, prompts, a.model, a.draft, a.steps, a.gate, a.temperature, a.dtype)
             print(json.dumps(row))
             rows.append(row)
     if a.out:

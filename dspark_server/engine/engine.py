@@ -156,12 +156,12 @@ class LLMEngine:
         room = self.cfg.max_batch_tokens - len(sched.decodes) - prefill_tokens
         result: SpecStepResult = spec.step(self.runner, sched.decodes, sched.prefills, max(0, room))
         self.stats.record_batch(result.forward.batch.num_tokens, result.forward.seconds)
-        emitted = sum(self.commit(d.request, d.tokens, d.spec_round) for d in result.decodes)
+        kept = [self.commit(d.request, d.tokens, d.spec_round) for d in result.decodes]
         completing = [c.request for c in sched.prefills if c.completes]
         rows = torch.tensor(result.prefill_rows, dtype=torch.long)
         self._sample_next(completing, result.forward.output.logits[rows])
         seconds = time.perf_counter() - t0
-        spec.record(result, emitted, seconds)
+        spec.record(result, kept, seconds)
         if result.decodes:
             drafts = sum(d.spec_round[1] for d in result.decodes if d.spec_round is not None)
             choice = "plain" if not result.drafted else "drafts" if drafts else "none"

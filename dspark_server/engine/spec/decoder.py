@@ -129,7 +129,7 @@ class SpeculativeDecoder:
         t_start = time.perf_counter()
         sampling = SamplingTensors.from_params([r.params for r in decodes])
         prefill_tokens = sum(c.num_tokens for c in prefills)
-        drafting = bool(decodes) and (self.gate is None or self.gate.choose(len(decodes)))
+        drafting = bool(decodes) and (self.gate is None or self.gate.choose([r.request_id for r in decodes]))
         drafts = Drafts.empty(len(decodes), self.gamma)
         plan = _Plan([0] * len(decodes), None, None)
         draft_s = 0.0
@@ -157,8 +157,9 @@ class SpeculativeDecoder:
             emitted, forward, rows, drafting, draft_s, prefill_tokens, plan.predicted_seconds
         )
 
-    def record(self, result: SpecStepResult, emitted: int, step_seconds: float) -> None:
-        """After the engine committed ``result``: teach the gate and the overhead estimate."""
+    def record(self, result: SpecStepResult, kept: Sequence[int], step_seconds: float) -> None:
+        """After the engine committed ``result`` (``kept``: the tokens each request kept): teach
+        the gate and the overhead estimate."""
         if not result.decodes:
             return
         # Under steady traffic almost every step also carries a prefill chunk: leave out its
@@ -169,7 +170,8 @@ class SpeculativeDecoder:
         step_s = step_seconds - prefill_s
         num = len(result.decodes)
         if self.gate is not None:
-            self.gate.record(num, result.drafted, emitted, step_s)
+            ids = [d.request.request_id for d in result.decodes]
+            self.gate.record(ids, result.drafted, kept, step_s)
         if self.overhead is not None:
             self.overhead.record(num, step_s, fwd.seconds - prefill_s, result.draft_seconds)
 

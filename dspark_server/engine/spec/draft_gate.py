@@ -1,57 +1,56 @@
-"""Whether drafting pays off at the current load, decided from measured step rates.
+"""Whether drafting pays off this step, forecast from measured step times and each request's own
+acceptance.
 
-The DSpark planner prices verification with the SPS table but treats drafting as free. On a CPU
-with a small target a draft step can cost several verification steps, so at high concurrency, where
-the planner admits almost no drafts, drafting would only slow every step down. The gate keeps, per
-concurrency bucket (powers of two), exponential moving averages of the tokens a step emits and of
-its time, for steps that drafted and for plain steps, and takes the choice with more tokens per
-second.
+The DSpark planner prices verification with the SPS table but treats drafting as free: the draft
+pass is spent before the planner sees a confidence. On a CPU a draft step can cost several plain
+steps, so the gate decides first, comparing two forecasts of tokens per second:
 
-Each bucket first measures both choices alike (``min_samples`` steps each, plain means), then
-keeps both estimates current by now and then spending a step on the slower choice, at most
-``max_explore_overhead`` of the bucket's time: when a draft step costs five plain steps the gate
-explores it far more rarely than when the two are close (never more often than every
-``explore_every`` steps).
+- a drafting step emits Σ_r f_r tokens in S_d seconds, where f_r is request r's own moving average
+  of the tokens it emitted in its drafting steps (a newcomer starts from the load bucket's long-run
+  mean, the prior);
+- a plain step emits one token per request in S_p seconds.
 
-The decision depends on past timings only — never on the tokens about to be drafted — so skipping a
+S_d and S_p are moving averages of measured step times per load bucket (powers of two of the
+number of decoding requests): time depends on load, acceptance on the request. Keeping acceptance
+per request is what lets the gate follow the traffic: one hard request that accepts nothing must
+not switch drafting off for the easy ones after it, nor one easy request hide a hard mix.
+
+Each bucket first measures both step kinds alike (``min_samples`` each). After that the slower
+choice is explored now and then so its forecast stays current: at most ``max_explore_overhead`` of
+the bucket's time when the two are far apart, never less often than every
+``max_explore_interval`` steps (a forecast must not freeze on the requests of long ago) and never
+more often than every ``explore_every`` steps.
+
+The decision depends on past steps only, never on the tokens about to be drafted, so skipping a
 draft changes speed, not the output distribution.
 """
 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from collections.abc import Sequence
+from dataclasses import dataclass, field
 
 
 @dataclass
-class _Estimate:
-    """Moving averages of a step's emitted tokens and of its seconds; their ratio is the rate
-    (a ratio of means: one lucky 8-token step must not outweigh many 1-token ones)."""
+class _Mean:
+    """A moving average; a plain mean until there are 1/smoothing samples, so that one slow first
+    step (cold caches) does not stand for the choice for long."""
 
-    tokens: float = math.nan
-    seconds: float = math.nan
+    value: float = math.nan
     count: int = 0
 
-    @property
-    def rate(self) -> float:
-        return self.tokens / self.seconds
-
-    def update(self, tokens: float, seconds: float, smoothing: float) -> None:
+    def update(self, x: float, smoothing: float) -> None:
         self.count += 1
-        # a plain mean until there are 1/smoothing samples, then the moving average: one slow
-        # first step (cold caches) must not stand for the choice for long
         w = max(smoothing, 1.0 / self.count)
-        if math.isnan(self.seconds):
-            self.tokens, self.seconds = tokens, seconds
-        else:
-            self.tokens = (1 - w) * self.tokens + w * tokens
-            self.seconds = (1 - w) * self.seconds + w * seconds
+        self.value = x if math.isnan(self.value) else (1 - w) * self.value + w * x
 
 
 @dataclass
 class _Bucket:
-    draft: _Estimate
-    plain: _Estimate
+    draft_seconds: _Mean = field(default_factory=_Mean)
+    plain_seconds: _Mean = field(default_factory=_Mean)
+    tokens_per_request: _Mean = field(default_factory=_Mean)  # in drafting steps: the prior
     since_explore: int = 0
 
 
@@ -59,19 +58,27 @@ class DraftGate:
     def __init__(
         self,
         explore_every: int = 16,
+        max_explore_interval: int = 64,
         smoothing: float = 0.05,
+        request_smoothing: float = 0.5,
         max_explore_overhead: float = 0.02,
-        min_samples: int = 8,
+        min_samples: int = 4,
     ) -> None:
-        if explore_every < 2 or not 0.0 < smoothing <= 1.0 or not 0.0 < max_explore_overhead < 1.0:
-            raise ValueError(
-                "explore_every must be >= 2, smoothing in (0, 1], max_explore_overhead in (0, 1)"
-            )
+        if explore_every < 2 or max_explore_interval < explore_every:
+            raise ValueError("explore_every must be >= 2 and <= max_explore_interval")
+        if not (0.0 < smoothing <= 1.0 and 0.0 < request_smoothing <= 1.0):
+            raise ValueError("smoothing and request_smoothing must be in (0, 1]")
+        if not 0.0 < max_explore_overhead < 1.0:
+            raise ValueError("max_explore_overhead must be in (0, 1)")
         self.explore_every = explore_every
+        self.max_explore_interval = max_explore_interval
         self.smoothing = smoothing
+        self.request_smoothing = request_smoothing
         self.max_explore_overhead = max_explore_overhead
         self.min_samples = max(1, min_samples)
         self._buckets: dict[int, _Bucket] = {}
+        self._forecast: dict[str, float] = {}  # request id -> tokens per drafting step
+        self._prior = _Mean()  # all loads: for a bucket that has not drafted yet
 
     @staticmethod
     def bucket_of(num_requests: int) -> int:
@@ -80,35 +87,67 @@ class DraftGate:
     def _bucket(self, num_requests: int) -> _Bucket:
         key = self.bucket_of(num_requests)
         if key not in self._buckets:
-            self._buckets[key] = _Bucket(_Estimate(), _Estimate())
+            self._buckets[key] = _Bucket()
         return self._buckets[key]
 
-    def explore_interval(self, best: _Estimate, other: _Estimate) -> int:
-        """Steps between explorations of ``other`` so that the time they lose (an exploring step's
-        time minus what the best choice needs for the same tokens) stays within the budget."""
-        lost = other.seconds * max(0.0, 1.0 - other.rate / best.rate)
-        steps = lost / (self.max_explore_overhead * best.seconds)
-        return max(self.explore_every, math.ceil(steps))
+    def forecast_tokens(self, request_ids: Sequence[str]) -> float:
+        """Tokens a drafting step is expected to emit for these requests."""
+        prior = self._bucket(len(request_ids)).tokens_per_request.value
+        if math.isnan(prior):
+            prior = self._prior.value
+        return sum(self._forecast.get(rid, prior) for rid in request_ids)
 
-    def choose(self, num_requests: int) -> bool:
-        """True: draft this step."""
-        b = self._bucket(num_requests)
-        if min(b.draft.count, b.plain.count) < self.min_samples:
-            return b.draft.count <= b.plain.count  # warm-up: measure both alike before choosing
-        draft_best = b.draft.rate >= b.plain.rate
-        best, other = (b.draft, b.plain) if draft_best else (b.plain, b.draft)
+    def explore_interval(self, lost: float, best_seconds: float) -> int:
+        """Steps between explorations so that the time they lose (an exploring step's time minus
+        what the best choice needs for the same tokens) stays within the budget."""
+        steps = lost / (self.max_explore_overhead * best_seconds)
+        return min(self.max_explore_interval, max(self.explore_every, math.ceil(steps)))
+
+    def choose(self, request_ids: Sequence[str]) -> bool:
+        """True: draft this step. ``request_ids``: every decoding request of the step."""
+        live = set(request_ids)
+        self._forecast = {rid: f for rid, f in self._forecast.items() if rid in live}
+        b = self._bucket(len(request_ids))
+        if min(b.draft_seconds.count, b.plain_seconds.count) < self.min_samples:
+            return b.draft_seconds.count <= b.plain_seconds.count  # warm-up: measure both alike
+        draft_rate = self.forecast_tokens(request_ids) / b.draft_seconds.value
+        plain_rate = len(request_ids) / b.plain_seconds.value
+        draft_best = draft_rate >= plain_rate
+        if draft_best:
+            lost = b.plain_seconds.value * (1.0 - plain_rate / draft_rate)
+            best_seconds = b.draft_seconds.value
+        else:
+            lost = b.draft_seconds.value * (1.0 - draft_rate / plain_rate)
+            best_seconds = b.plain_seconds.value
         b.since_explore += 1
-        if b.since_explore >= self.explore_interval(best, other):
+        if b.since_explore >= self.explore_interval(lost, best_seconds):
             b.since_explore = 0
             return not draft_best
         return draft_best
 
-    def record(self, num_requests: int, drafted: bool, tokens: int, seconds: float) -> None:
-        if seconds <= 0 or not math.isfinite(seconds):
+    def record(
+        self, request_ids: Sequence[str], drafted: bool, tokens: Sequence[int], seconds: float
+    ) -> None:
+        """A finished step: its requests, whether it drafted, the tokens each request emitted,
+        and its time (the decoding share of it)."""
+        if seconds <= 0 or not math.isfinite(seconds) or not request_ids:
             return
-        b = self._bucket(num_requests)
-        (b.draft if drafted else b.plain).update(tokens, seconds, self.smoothing)
+        b = self._bucket(len(request_ids))
+        if not drafted:
+            b.plain_seconds.update(seconds, self.smoothing)
+            return
+        b.draft_seconds.update(seconds, self.smoothing)
+        b.tokens_per_request.update(sum(tokens) / len(tokens), self.smoothing)
+        self._prior.update(sum(tokens) / len(tokens), self.smoothing)
+        w = self.request_smoothing
+        for rid, n in zip(request_ids, tokens, strict=True):
+            prior = self._forecast.get(rid, b.tokens_per_request.value)
+            self._forecast[rid] = (1 - w) * prior + w * n
 
     def rates(self) -> dict[int, tuple[float, float]]:
-        """bucket -> (drafting tokens/s, plain tokens/s), for metrics and tests."""
-        return {k: (b.draft.rate, b.plain.rate) for k, b in self._buckets.items()}
+        """bucket -> (drafting tokens/s for a request at the prior, plain tokens/s per request),
+        for metrics and tests."""
+        return {
+            k: (b.tokens_per_request.value / b.draft_seconds.value, 1.0 / b.plain_seconds.value)
+            for k, b in self._buckets.items()
+        }
