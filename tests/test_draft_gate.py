@@ -51,7 +51,7 @@ def test_one_hard_request_does_not_switch_drafting_off_for_the_next() -> None:
     picks = [gate.choose(["easy"]) for _ in range(gate.max_explore_interval)]
     assert picks.count(True) == 1
     gate.record(["easy"], True, [7], 0.100)
-    assert all(gate.choose(["easy"]) for _ in range(8))
+    assert sum(gate.choose(["easy"]) for _ in range(8)) >= 6  # plain only explored
     # ...while the hard request, were it still running beside another hard one, would not draft
     assert gate.forecast_tokens(["easy"]) > 3.3 > gate.forecast_tokens(["hard2"])
 

@@ -123,6 +123,10 @@ class Request:
     # Text already delivered to the client: stop strings can hold back a tail of output_text.
     sent_text_len: int = 0
     sent_token_len: int = 0
+    # Speculative modes: target features of committed tokens whose drafter context is not written
+    # yet ((features [n, F], first position) pieces). Steps that do not draft defer that write;
+    # the next drafting step catches up.
+    draft_backlog: list[tuple[torch.Tensor, int]] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         seed = self.params.seed if self.params.seed is not None else int(torch.randint(0, 2**62, ()))

@@ -67,6 +67,9 @@ class SpecStepResult:
     draft_seconds: float
     prefill_tokens: int
     predicted_seconds: float | None = None  # the cost model's price of this step (dspark mode)
+    # per request, 1 + the calibrated survival summed over its verified positions: the tokens
+    # the plan expects it to emit (dspark mode; a far less noisy forecast than the tokens kept)
+    expected_tokens: list[float] | None = None
 
 
 @dataclass(frozen=True)
@@ -107,6 +110,7 @@ class SpeculativeDecoder:
         self.drift = drift
         self.gamma = gamma
         self.gate = gate  # None: always draft (the fixed / threshold baselines)
+        self.max_backlog = 64  # tokens of deferred drafter context a request may hold
         self.overhead = overhead  # None: price steps by SPS(B) alone, as the method doc does
         self._steps_since_refresh = 0
         self._planned_from = planner.sps_table  # the table the planner's current one was made from
@@ -135,6 +139,7 @@ class SpeculativeDecoder:
         draft_s = 0.0
         anchor_pos = [r.num_computed for r in decodes]
         if drafting:
+            self._catch_up(runner.allocator, decodes)
             drafts = self._draft(runner.allocator, decodes, anchor_pos, sampling)
             draft_s = time.perf_counter() - t_start
             plan = self._plan(decodes, drafts, sampling, draft_s, max_draft_tokens, prefill_tokens)
@@ -144,7 +149,7 @@ class SpeculativeDecoder:
         if self.live_sps is not None and not prefills:  # prefill chunks would skew the curve
             self.live_sps.record(forward.batch.num_tokens, forward.seconds)
         self._observe(decodes, drafts, plan, outcome)
-        self._keep_accepted(runner.allocator, decodes, anchor_pos, prefills, forward, outcome)
+        self._keep_accepted(runner.allocator, decodes, anchor_pos, prefills, forward, outcome, drafting)
         emitted = [
             RequestTokens(
                 req,
@@ -153,8 +158,12 @@ class SpeculativeDecoder:
             )
             for i, req in enumerate(decodes)
         ]
+        expected = None
+        if plan.survival is not None:
+            admitted = torch.arange(plan.survival.shape[1])[None, :] < torch.tensor(plan.lens)[:, None]
+            expected = (1.0 + (plan.survival * admitted).sum(dim=1)).tolist()
         return SpecStepResult(
-            emitted, forward, rows, drafting, draft_s, prefill_tokens, plan.predicted_seconds
+            emitted, forward, rows, drafting, draft_s, prefill_tokens, plan.predicted_seconds, expected
         )
 
     def record(self, result: SpecStepResult, kept: Sequence[int], step_seconds: float) -> None:
@@ -171,7 +180,8 @@ class SpeculativeDecoder:
         num = len(result.decodes)
         if self.gate is not None:
             ids = [d.request.request_id for d in result.decodes]
-            self.gate.record(ids, result.drafted, kept, step_s)
+            forecast = kept if result.expected_tokens is None else result.expected_tokens
+            self.gate.record(ids, result.drafted, forecast, step_s)
         if self.overhead is not None:
             self.overhead.record(num, step_s, fwd.seconds - prefill_s, result.draft_seconds)
 
@@ -290,21 +300,31 @@ class SpeculativeDecoder:
         prefills: list[ScheduledChunk],
         forward: ForwardResult,
         outcome: VerifyOutcome,
+        drafted: bool,
     ) -> None:
         """Keep x0..x_acc in both caches; one drafter-context write for the whole step, prefill
-        chunks included."""
+        chunks included. A step that did not draft defers its decodes' context writes to the
+        request's backlog (at most ``max_backlog`` tokens), so that a plain step in dspark mode
+        costs what a plain step costs."""
         hidden = forward.output.hidden
         assert hidden is not None
         offsets = forward.batch.offsets
         rows: list[tuple[int, int, int]] = []  # (packed row of the first token, its position, count)
         tables = []
+        overdue: list[Request] = []
         for i, (req, start) in enumerate(zip(decodes, anchor_pos, strict=True)):
             alloc.truncate(req.table, start + outcome.accepted[i] + 1)
+            if not drafted:
+                req.draft_backlog.append((hidden[offsets[i] : offsets[i] + 1].clone(), start))
+                if len(req.draft_backlog) >= self.max_backlog:
+                    overdue.append(req)
+                continue
             tables.append(req.table)
             rows.append((offsets[i], start, outcome.accepted[i] + 1))
         for j, c in enumerate(prefills):
             tables.append(c.request.table)
             rows.append((offsets[len(decodes) + j], c.start, c.num_tokens))
+        self._catch_up(alloc, overdue)
         if not rows:
             return
         packed = torch.cat([torch.arange(off, off + n) for off, _, n in rows])
@@ -313,6 +333,19 @@ class SpeculativeDecoder:
             [alloc.slots(table, pos, pos + n) for table, (_, pos, n) in zip(tables, rows, strict=True)]
         )
         self.drafter.write_context(hidden[packed], positions, slots, self.pool)
+
+    def _catch_up(self, alloc: PageAllocator, decodes: list[Request]) -> None:
+        """Write the drafter context that steps without drafting deferred, for all of these
+        requests in one call (before drafting reads it)."""
+        pieces = [(r, f, p) for r in decodes for f, p in r.draft_backlog]
+        if not pieces:
+            return
+        features = torch.cat([f for _, f, _ in pieces])
+        positions = torch.cat([torch.arange(p, p + f.shape[0]) for _, f, p in pieces])
+        slots = torch.cat([alloc.slots(r.table, p, p + f.shape[0]) for r, f, p in pieces])
+        for r in decodes:
+            r.draft_backlog.clear()
+        self.drafter.write_context(features, positions, slots, self.pool)
 
     def _observe(self, decodes: list[Request], drafts: Drafts, plan: _Plan, outcome: VerifyOutcome) -> None:
         if plan.survival is not None:

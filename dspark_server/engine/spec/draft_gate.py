@@ -6,8 +6,9 @@ pass is spent before the planner sees a confidence. On a CPU a draft step can co
 steps, so the gate decides first, comparing two forecasts of tokens per second:
 
 - a drafting step emits Σ_r f_r tokens in S_d seconds, where f_r is request r's own moving average
-  of the tokens it emitted in its drafting steps (a newcomer starts from the load bucket's long-run
-  mean, the prior);
+  of the tokens its drafting steps were expected to emit (1 + the calibrated survival of the
+  positions the planner verified; a newcomer starts from the load bucket's long-run mean, the
+  prior);
 - a plain step emits one token per request in S_p seconds.
 
 S_d and S_p are moving averages of measured step times per load bucket (powers of two of the
@@ -57,7 +58,7 @@ class _Bucket:
 class DraftGate:
     def __init__(
         self,
-        explore_every: int = 16,
+        explore_every: int = 4,
         max_explore_interval: int = 64,
         smoothing: float = 0.05,
         request_smoothing: float = 0.5,
@@ -126,9 +127,10 @@ class DraftGate:
         return draft_best
 
     def record(
-        self, request_ids: Sequence[str], drafted: bool, tokens: Sequence[int], seconds: float
+        self, request_ids: Sequence[str], drafted: bool, tokens: Sequence[float], seconds: float
     ) -> None:
-        """A finished step: its requests, whether it drafted, the tokens each request emitted,
+        """A finished step: its requests, whether it drafted, the tokens each request emitted
+        (or, better, the plan's calibrated expectation of them: far less noisy than one draw),
         and its time (the decoding share of it)."""
         if seconds <= 0 or not math.isfinite(seconds) or not request_ids:
             return

@@ -1,0 +1,99 @@
+"""Steps that do not draft defer the drafter-context write; the next drafting step catches up, and
+drafts exactly what it would have drafted had every step written its context at once."""
+
+from __future__ import annotations
+
+import itertools
+import random
+from collections.abc import Sequence
+from pathlib import Path
+
+import pytest
+import torch
+from test_speculative import generate, make_engine
+
+from dspark_server.engine.engine import LLMEngine
+from dspark_server.engine.request import SamplingParams
+from dspark_server.engine.spec.draft_gate import DraftGate
+from dspark_server.testing.tiny import build_tiny_drafter, build_tiny_model
+
+
+class ScriptedGate(DraftGate):
+    """The gate's choice pinned to a fixed pattern (its real policy depends on timings)."""
+
+    def __init__(self, pattern: Sequence[bool]) -> None:
+        super().__init__()
+        self._pattern = itertools.cycle(pattern)
+
+    def choose(self, request_ids: Sequence[str]) -> bool:
+        return next(self._pattern)
+
+
+@pytest.fixture(scope="module")
+def pair(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
+    root = tmp_path_factory.mktemp("backlog")
+    target = build_tiny_model(root / "target", layers=3, with_eos=False, seed=11, vocab_size=32)
+    return target, build_tiny_drafter(target, root / "draft", gamma=4, seed=12)
+
+
+def _run(
+    pair: tuple[Path, Path], max_backlog: int, pattern: Sequence[bool]
+) -> tuple[LLMEngine, list[torch.Tensor], list[torch.Tensor], dict[str, list[int]], int]:
+    target, draft = pair
+    engine = make_engine(target, draft, "dspark", max_running=6)
+    spec = engine.spec
+    assert spec is not None
+    spec.gate = ScriptedGate(pattern)
+    spec.max_backlog = max_backlog
+    tokens: list[torch.Tensor] = []
+    logits: list[torch.Tensor] = []
+    observe = spec._observe
+    most = 0
+
+    def spy(decodes, drafts, plan, outcome):  # type: ignore[no-untyped-def]
+        nonlocal most
+        if drafts.confidence_logits is not None:
+            tokens.append(drafts.tokens.clone())
+            logits.append(drafts.confidence_logits.clone())
+        return observe(decodes, drafts, plan, outcome)
+
+    keep = spec._keep_accepted
+
+    def after_keep(alloc, decodes, *rest):  # type: ignore[no-untyped-def]
+        nonlocal most
+        keep(alloc, decodes, *rest)
+        most = max([most] + [len(r.draft_backlog) for r in decodes])
+
+    spec._observe = spy  # type: ignore[method-assign]
+    spec._keep_accepted = after_keep  # type: ignore[method-assign]
+    rng = random.Random(3)
+    prompts = [[rng.randrange(4, 32) for _ in range(rng.randrange(3, 30))] for _ in range(6)]
+    col = generate(engine, prompts, [SamplingParams(temperature=0, max_tokens=80)] * 6)
+    return engine, tokens, logits, {str(i): col.tokens(str(i)) for i in range(6)}, most
+
+
+@pytest.mark.parametrize("pattern", [(True, False, False, False, False), (False,) * 9 + (True,)])
+def test_deferred_context_drafts_exactly_what_immediate_writes_draft(
+    pair: tuple[Path, Path], pattern: tuple[bool, ...]
+) -> None:
+    _, eager_tokens, eager_logits, eager_out, eager_most = _run(pair, 1, pattern)
+    _, lazy_tokens, lazy_logits, lazy_out, lazy_most = _run(pair, 64, pattern)
+    assert eager_most == 0 and lazy_most == len(pattern) - 1  # the lazy run did defer
+    assert len(lazy_tokens) == len(eager_tokens) > 4
+    for a, b in zip(lazy_tokens, eager_tokens, strict=True):
+        assert torch.equal(a, b)
+    for a, b in zip(lazy_logits, eager_logits, strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-9, atol=1e-9)
+    assert lazy_out == eager_out
+
+
+def test_backlog_is_bounded_and_drafting_after_a_long_plain_run_still_matches(
+    pair: tuple[Path, Path],
+) -> None:
+    pattern = (False,) * 20 + (True,)
+    _, eager_tokens, _, _, _ = _run(pair, 1, pattern)
+    engine, lazy_tokens, _, _, most = _run(pair, 3, pattern)
+    assert most == 2  # a request never holds max_backlog deferred tokens after a step
+    assert all(torch.equal(a, b) for a, b in zip(lazy_tokens, eager_tokens, strict=True))
+    alloc = engine.scheduler.allocator
+    assert alloc.free_pages == alloc.capacity_pages  # nothing leaked
