@@ -42,31 +42,37 @@ class PackedBatch:
 
 
 def pack(chunks: list[SeqChunk], allocator: PageAllocator) -> PackedBatch:
-    """Build the packed batch; pages for ``start + len(token_ids)`` must already be reserved."""
+    """Build the packed batch; pages for ``start + len(token_ids)`` must already be reserved.
+
+    Vectorised over the chunks (a fixed handful of tensor ops, whatever their number): positions,
+    new-token slots and every sequence's key slots come from one padded page matrix."""
     if not chunks:
         raise ValueError("cannot pack an empty batch")
-    ids: list[int] = []
-    offsets: list[int] = []
-    lengths: list[int] = []
-    positions: list[torch.Tensor] = []
-    slots: list[torch.Tensor] = []
-    kv_slots: list[torch.Tensor] = []
-    for c in chunks:
-        n = len(c.token_ids)
-        if n == 0:
-            raise ValueError("a chunk must add at least one token")
-        offsets.append(len(ids))
-        lengths.append(n)
-        ids.extend(c.token_ids)
-        positions.append(torch.arange(c.start, c.start + n))
-        seq_slots = allocator.slots(c.table, 0, c.start + n)
-        kv_slots.append(seq_slots)
-        slots.append(seq_slots[c.start :])
+    ps = allocator.page_size
+    lengths = [len(c.token_ids) for c in chunks]
+    if min(lengths) == 0:
+        raise ValueError("a chunk must add at least one token")
+    kv_lens = [c.start + n for c, n in zip(chunks, lengths, strict=True)]
+    need = [-(-k // ps) for k in kv_lens]
+    for c, k, m in zip(chunks, kv_lens, need, strict=True):
+        if m > len(c.table.pages):
+            raise ValueError(f"positions up to {k} are not reserved ({len(c.table.pages)} pages)")
+    width = max(need)
+    pages = torch.tensor([c.table.pages[:m] + [0] * (width - m) for c, m in zip(chunks, need, strict=True)])
+    key_pos = torch.arange(max(kv_lens))
+    kv_len = torch.tensor(kv_lens)
+    slots = pages[:, key_pos // ps] * ps + key_pos % ps  # [R, Kmax]
+    slots = torch.where(key_pos[None, :] < kv_len[:, None], slots, 0)  # padding: slot 0 (page 0)
+    q_len = torch.tensor(lengths)
+    q_start = torch.cumsum(q_len, 0) - q_len
+    seq = torch.repeat_interleave(torch.arange(len(chunks)), q_len)
+    positions = torch.tensor([c.start for c in chunks])[seq] + torch.arange(int(q_len.sum())) - q_start[seq]
+    offsets = q_start.tolist()
     return PackedBatch(
-        input_ids=torch.tensor(ids, dtype=torch.long),
-        positions=torch.cat(positions),
-        slot_mapping=torch.cat(slots),
-        layout=PagedLayout.causal(lengths, kv_slots),
+        input_ids=torch.tensor([t for c in chunks for t in c.token_ids], dtype=torch.long),
+        positions=positions,
+        slot_mapping=slots[seq, positions],
+        layout=PagedLayout(q_start, q_len, slots, positions + 1, tuple(lengths), tuple(kv_lens)),
         offsets=tuple(offsets),
         lengths=tuple(lengths),
     )

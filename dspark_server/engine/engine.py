@@ -140,7 +140,7 @@ class LLMEngine:
         if self.spec is not None:
             self._run_speculative(self.spec, sched)
             return
-        seq_chunks = [SeqChunk(r.table, r.num_computed, [r.all_ids[-1]]) for r in sched.decodes]
+        seq_chunks = [SeqChunk(r.table, r.num_computed, [r.last_token_id]) for r in sched.decodes]
         seq_chunks += [SeqChunk(c.request.table, c.start, c.token_ids) for c in sched.prefills]
         tail = [1] * len(sched.decodes) + [1 if c.completes else 0 for c in sched.prefills]
         result = self.runner.forward(seq_chunks, tail)

@@ -71,8 +71,12 @@ class PageAllocator:
 
     def slots(self, table: PageTable, start: int, end: int) -> torch.Tensor:
         """Slot indices of positions start..end-1 (pages must already be reserved)."""
-        if end > len(table.pages) * self.page_size:
+        return self.slots_at(table, torch.arange(start, end))
+
+    def slots_at(self, table: PageTable, positions: torch.Tensor) -> torch.Tensor:
+        """Slot indices of the given positions (pages must already be reserved)."""
+        if positions.numel() and int(positions.max()) >= len(table.pages) * self.page_size:
+            end = int(positions.max()) + 1
             raise ValueError(f"positions up to {end} are not reserved ({len(table.pages)} pages)")
-        pos = torch.arange(start, end)
         pages = torch.tensor(table.pages, dtype=torch.long)
-        return pages[pos // self.page_size] * self.page_size + pos % self.page_size
+        return pages[positions // self.page_size] * self.page_size + positions % self.page_size

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -49,12 +50,7 @@ class ModelRunner:
         """
         t0 = time.perf_counter()
         batch = pack(chunks, self.allocator)
-        rows = [
-            torch.arange(o + n - k, o + n)
-            for o, n, k in zip(batch.offsets, batch.lengths, logits_tail, strict=True)
-            if k
-        ]
-        logits_rows = torch.cat(rows) if rows else torch.zeros(0, dtype=torch.long)
+        logits_rows = tail_rows(batch.offsets, batch.lengths, logits_tail)
         out = self.target(
             batch.input_ids,
             batch.positions,
@@ -65,3 +61,12 @@ class ModelRunner:
         for c in chunks:
             c.table.length = c.start + len(c.token_ids)
         return ForwardResult(batch, out, time.perf_counter() - t0)
+
+
+def tail_rows(offsets: Sequence[int], lengths: Sequence[int], tails: Sequence[int]) -> torch.Tensor:
+    """Packed rows of each chunk's last ``tails[i]`` tokens, in chunk order (a few tensor ops,
+    whatever the number of chunks)."""
+    k = torch.tensor(tails, dtype=torch.long)
+    first = torch.tensor(offsets, dtype=torch.long) + torch.tensor(lengths, dtype=torch.long) - k
+    before = torch.cumsum(k, 0) - k
+    return torch.repeat_interleave(first - before, k) + torch.arange(int(k.sum()))

@@ -104,7 +104,7 @@ class RequestOutput:
     error: str | None = None
 
 
-@dataclass
+@dataclass(eq=False)  # identity: ``req in running`` must not compare every field
 class Request:
     request_id: str
     prompt_ids: list[int]
@@ -123,10 +123,6 @@ class Request:
     # Text already delivered to the client: stop strings can hold back a tail of output_text.
     sent_text_len: int = 0
     sent_token_len: int = 0
-    # Speculative modes: target features of committed tokens whose drafter context is not written
-    # yet ((features [n, F], first position) pieces). Steps that do not draft defer that write;
-    # the next drafting step catches up.
-    draft_backlog: list[tuple[torch.Tensor, int]] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         seed = self.params.seed if self.params.seed is not None else int(torch.randint(0, 2**62, ()))
@@ -138,6 +134,11 @@ class Request:
         if self.params.seed is None:
             return None
         return NoiseKey(self.params.seed, len(self.output_ids))
+
+    @property
+    def last_token_id(self) -> int:
+        """``all_ids[-1]`` without building the list (once per request per step)."""
+        return self.output_ids[-1] if self.output_ids else self.prompt_ids[-1]
 
     @property
     def all_ids(self) -> list[int]:

@@ -127,6 +127,5 @@ class Scheduler:
         """Recompute-style preemption: drop the cache, keep the tokens, requeue at the front."""
         self.running.remove(req)
         self.allocator.release(req.table)
-        req.draft_backlog.clear()  # its positions are recomputed, context included
         req.status = Status.WAITING
         self.waiting.appendleft(req)

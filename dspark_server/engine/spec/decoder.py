@@ -27,8 +27,9 @@ from dspark_server.engine.batch import SeqChunk
 from dspark_server.engine.kv_cache import PageAllocator
 from dspark_server.engine.model_runner import ForwardResult, ModelRunner
 from dspark_server.engine.request import Request
-from dspark_server.engine.sampling import SamplingTensors, shape_probs
+from dspark_server.engine.sampling import SamplingTensors, sample_from_logits, shape_probs
 from dspark_server.engine.scheduler import ScheduledChunk
+from dspark_server.engine.spec.deferred_context import DeferredContext
 from dspark_server.engine.spec.draft_gate import DraftGate
 from dspark_server.engine.spec.drafting import Drafts, sample_drafts
 from dspark_server.engine.spec.rounds import RoundRecord
@@ -110,7 +111,7 @@ class SpeculativeDecoder:
         self.drift = drift
         self.gamma = gamma
         self.gate = gate  # None: always draft (the fixed / threshold baselines)
-        self.max_backlog = 64  # tokens of deferred drafter context a request may hold
+        self.deferred = DeferredContext()  # drafter-context writes put off by plain steps
         self.overhead = overhead  # None: price steps by SPS(B) alone, as the method doc does
         self._steps_since_refresh = 0
         self._planned_from = planner.sps_table  # the table the planner's current one was made from
@@ -153,10 +154,12 @@ class SpeculativeDecoder:
         emitted = [
             RequestTokens(
                 req,
-                drafts.tokens[i, : outcome.accepted[i]].tolist() + [outcome.next_tokens[i]],
-                (self.gamma, plan.lens[i], outcome.accepted[i]) if drafting else None,
+                drafts.tokens[i, :acc].tolist() + [nxt] if acc else [nxt],
+                (self.gamma, plan.lens[i], acc) if drafting else None,
             )
-            for i, req in enumerate(decodes)
+            for i, (req, acc, nxt) in enumerate(
+                zip(decodes, outcome.accepted, outcome.next_tokens, strict=True)
+            )
         ]
         expected = None
         if plan.survival is not None:
@@ -191,7 +194,7 @@ class SpeculativeDecoder:
         self, alloc: PageAllocator, decodes: list[Request], anchor_pos: list[int], sampling: SamplingTensors
     ) -> Drafts:
         """One backbone pass for all decoding requests, then the sequential head."""
-        anchors = torch.tensor([r.all_ids[-1] for r in decodes])
+        anchors = torch.tensor([r.last_token_id for r in decodes])
         ctx = DraftContext.from_slot_lists(
             [alloc.slots(r.table, 0, p) for r, p in zip(decodes, anchor_pos, strict=True)]
         )
@@ -258,7 +261,11 @@ class SpeculativeDecoder:
         rejection sampling for all requests at once. Returns the forward, the outcome and the logits row of
         each completing prefill chunk."""
         chunks = [
-            SeqChunk(r.table, r.num_computed, [r.all_ids[-1]] + drafts.tokens[i, :ell].tolist())
+            SeqChunk(
+                r.table,
+                r.num_computed,
+                [r.last_token_id] + drafts.tokens[i, :ell].tolist() if ell else [r.last_token_id],
+            )
             for i, (r, ell) in enumerate(zip(decodes, lens, strict=True))
         ]
         chunks += [SeqChunk(c.request.table, c.start, c.token_ids) for c in prefills]
@@ -267,7 +274,13 @@ class SpeculativeDecoder:
         logits = forward.output.logits
         ends = torch.tensor(tail, dtype=torch.long).cumsum(0).tolist()
         starts = [0] + ends[:-1]
-        if decodes:
+        if decodes and not any(lens):  # nothing to verify: the plain path's sampler, as is
+            last = logits[torch.tensor(starts[: len(decodes)])]
+            gens, keys = [r.generator for r in decodes], [r.noise_key for r in decodes]
+            outcome = VerifyOutcome(
+                [0] * len(decodes), sample_from_logits(last, sampling, gens, keys).tolist()
+            )
+        elif decodes:
             # Every request's ℓ_r + 1 rows, padded to the step's widest block: [R, L + 1].
             width = max(lens) + 1
             index = torch.tensor(starts[: len(decodes)])[:, None] + torch.arange(width)[None, :]
@@ -303,28 +316,29 @@ class SpeculativeDecoder:
         drafted: bool,
     ) -> None:
         """Keep x0..x_acc in both caches; one drafter-context write for the whole step, prefill
-        chunks included. A step that did not draft defers its decodes' context writes to the
-        request's backlog (at most ``max_backlog`` tokens), so that a plain step in dspark mode
-        costs what a plain step costs."""
+        chunks included. A step that did not draft puts its decodes' writes off (``deferred``),
+        so that a plain step in dspark mode costs what a plain step costs."""
         hidden = forward.output.hidden
         assert hidden is not None
         offsets = forward.batch.offsets
         rows: list[tuple[int, int, int]] = []  # (packed row of the first token, its position, count)
         tables = []
-        overdue: list[Request] = []
-        for i, (req, start) in enumerate(zip(decodes, anchor_pos, strict=True)):
+        # not drafted: one token each (rows 0..R-1), nothing to truncate, the writes put off
+        full = (
+            bool(decodes)
+            and not drafted
+            and self.deferred.defer(decodes, anchor_pos, hidden[: len(decodes)].clone())
+        )
+        if full:
+            self._catch_up(alloc, decodes)
+        for i, (req, start) in enumerate(zip(decodes if drafted else [], anchor_pos, strict=False)):
             alloc.truncate(req.table, start + outcome.accepted[i] + 1)
-            if not drafted:
-                req.draft_backlog.append((hidden[offsets[i] : offsets[i] + 1].clone(), start))
-                if len(req.draft_backlog) >= self.max_backlog:
-                    overdue.append(req)
-                continue
             tables.append(req.table)
             rows.append((offsets[i], start, outcome.accepted[i] + 1))
+        first_prefill = len(anchor_pos)
         for j, c in enumerate(prefills):
             tables.append(c.request.table)
-            rows.append((offsets[len(decodes) + j], c.start, c.num_tokens))
-        self._catch_up(alloc, overdue)
+            rows.append((offsets[first_prefill + j], c.start, c.num_tokens))
         if not rows:
             return
         packed = torch.cat([torch.arange(off, off + n) for off, _, n in rows])
@@ -335,17 +349,11 @@ class SpeculativeDecoder:
         self.drafter.write_context(hidden[packed], positions, slots, self.pool)
 
     def _catch_up(self, alloc: PageAllocator, decodes: list[Request]) -> None:
-        """Write the drafter context that steps without drafting deferred, for all of these
-        requests in one call (before drafting reads it)."""
-        pieces = [(r, f, p) for r in decodes for f, p in r.draft_backlog]
-        if not pieces:
-            return
-        features = torch.cat([f for _, f, _ in pieces])
-        positions = torch.cat([torch.arange(p, p + f.shape[0]) for _, f, p in pieces])
-        slots = torch.cat([alloc.slots(r.table, p, p + f.shape[0]) for r, f, p in pieces])
-        for r in decodes:
-            r.draft_backlog.clear()
-        self.drafter.write_context(features, positions, slots, self.pool)
+        """Write the drafter context that steps without drafting put off (before drafting
+        reads it)."""
+        writes = self.deferred.take(alloc, decodes)
+        if writes is not None:
+            self.drafter.write_context(writes.features, writes.positions, writes.slots, self.pool)
 
     def _observe(self, decodes: list[Request], drafts: Drafts, plan: _Plan, outcome: VerifyOutcome) -> None:
         if plan.survival is not None:

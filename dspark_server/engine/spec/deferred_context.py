@@ -1,0 +1,81 @@
+"""Drafter-context writes put off by steps that do not draft.
+
+Drafting reads, for every committed position, K/V that the drafter computes from the target's
+captured features (``DSparkDrafter.write_context``). A step that does not draft (the draft gate
+chose plain) still captures those features, but writing them would make a plain step in dspark
+mode cost more than a plain step. So such a step only keeps its decoding requests' feature rows
+here, one tensor per step; the next drafting step (or the step that fills ``max_steps``) takes
+them all and writes them in one call.
+
+Rows of requests that are no longer decoding when the writes are taken are dropped: a finished
+request's slots may already belong to another request, and a preempted one recomputes its
+context with its prompt.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from dspark_server.engine.kv_cache import PageAllocator
+from dspark_server.engine.request import Request
+
+
+@dataclass(frozen=True)
+class _DeferredStep:
+    requests: list[Request]
+    positions: list[int]
+    features: torch.Tensor  # [R, F], row r: the feature of requests[r]'s token at positions[r]
+
+
+@dataclass(frozen=True)
+class ContextWrites:
+    features: torch.Tensor  # [N, F]
+    positions: torch.Tensor  # [N]
+    slots: torch.Tensor  # [N]
+
+
+class DeferredContext:
+    def __init__(self, max_steps: int = 64) -> None:
+        if max_steps < 1:
+            raise ValueError("max_steps must be >= 1")
+        self.max_steps = max_steps
+        self._steps: list[_DeferredStep] = []
+
+    def __len__(self) -> int:
+        """Steps whose writes are pending."""
+        return len(self._steps)
+
+    def defer(self, requests: Sequence[Request], positions: Sequence[int], features: torch.Tensor) -> bool:
+        """Keep one step's rows (each request committed one token, at ``positions``). True: the
+        buffer is full, take the writes now."""
+        self._steps.append(_DeferredStep(list(requests), list(positions), features))
+        return len(self._steps) >= self.max_steps
+
+    def take(self, alloc: PageAllocator, live: Sequence[Request]) -> ContextWrites | None:
+        """Every pending write of the ``live`` requests (the step's decoding requests), with the
+        slots their positions hold now; the rest is dropped, and the buffer emptied."""
+        steps, self._steps = self._steps, []
+        wanted = {id(r) for r in live}
+        rows: dict[int, list[int]] = {}  # request -> rows of the stacked features
+        positions: dict[int, list[int]] = {}
+        owner: dict[int, Request] = {}
+        base = 0
+        for step in steps:
+            for j, (req, pos) in enumerate(zip(step.requests, step.positions, strict=True)):
+                if id(req) in wanted:
+                    rows.setdefault(id(req), []).append(base + j)
+                    positions.setdefault(id(req), []).append(pos)
+                    owner[id(req)] = req
+            base += len(step.requests)
+        if not rows:
+            return None
+        index = torch.tensor([i for r in rows.values() for i in r])
+        where = [torch.tensor(positions[k]) for k in rows]
+        return ContextWrites(
+            torch.cat([s.features for s in steps])[index],
+            torch.cat(where),
+            torch.cat([alloc.slots_at(owner[k].table, w) for k, w in zip(rows, where, strict=True)]),
+        )
