@@ -41,20 +41,49 @@ class SelfAttention(nn.Module):
             self.k_norm = RMSNorm(d, cfg.rms_norm_eps)
 
         self._qkv: tuple[torch.Tensor, torch.Tensor | None] | None = None
+        self._qk_norm_weight: torch.Tensor | None = None  # [Hq + Hkv, D], for the fused path
 
     def fuse(self) -> None:
-        """Inference: q, k and v projections as one GEMM (call once the weights are loaded)."""
+        """Inference: q, k and v projections as one GEMM (call once the weights are loaded), and
+        q and k normalised and rotated as one tensor."""
         self._qkv = fuse_linears(self.q_proj, self.k_proj, self.v_proj)
+        if self.qk_norm and self.q_norm.eps == self.k_norm.eps:
+            self._qk_norm_weight = torch.cat(
+                [
+                    self.q_norm.weight.data.expand(self.num_heads, -1),
+                    self.k_norm.weight.data.expand(self.num_kv_heads, -1),
+                ]
+            )
+
+    def _fused_qkv(
+        self,
+        x: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        qkv: tuple[torch.Tensor, torch.Tensor | None],
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The serving path: one GEMM, then q and k (heads side by side) normalised and rotated
+        together — the same arithmetic as the per-tensor path, in a third of the kernel calls."""
+        hq, hkv, d = self.num_heads, self.num_kv_heads, self.head_dim
+        out = F.linear(x, *qkv).view(x.shape[0], hq + 2 * hkv, d)
+        qk, v = out[:, : hq + hkv], out[:, hq + hkv :]
+        if self._qk_norm_weight is not None:
+            normed = F.rms_norm(qk.float(), (d,), eps=self.q_norm.eps).to(qk.dtype)
+            qk = self._qk_norm_weight * normed
+        elif self.qk_norm:  # q and k norms with different eps: one each
+            qk = torch.cat([self.q_norm(qk[:, :hq]), self.k_norm(qk[:, hq:])], dim=1)
+        q, k = apply_rotary(qk, cos, sin).split([hq, hkv], dim=1)
+        return q, k, v
 
     def forward(
         self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, layer: int, attn: AttentionBackend
     ) -> torch.Tensor:
         t = x.shape[0]
         if self._qkv is not None and not torch.is_grad_enabled():
-            kv = self.num_kv_heads * self.head_dim
-            q, k, v = F.linear(x, *self._qkv).split([self.num_heads * self.head_dim, kv, kv], dim=-1)
-        else:
-            q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
+            q, k, v = self._fused_qkv(x, cos, sin, self._qkv)
+            out = attn.attend(layer, q, k, v)
+            return self.o_proj(out.reshape(t, self.num_heads * self.head_dim))
+        q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
         q = q.reshape(t, self.num_heads, self.head_dim)
         k = k.reshape(t, self.num_kv_heads, self.head_dim)
         v = v.reshape(t, self.num_kv_heads, self.head_dim)
