@@ -38,7 +38,7 @@ def test_one_hard_request_does_not_switch_drafting_off_for_the_next() -> None:
     # the c=1 failure on the widened twin: the first request accepted nothing for its first
     # drafting steps, and the gate, averaging all requests of the load bucket, chose plain for
     # every later request too
-    gate = DraftGate(min_samples=2, request_smoothing=0.5, smoothing=0.05)
+    gate = DraftGate(min_samples=2, request_smoothing=0.5, smoothing=0.05, max_explore_interval=64)
     for _ in range(2):
         gate.choose(["hard"])
         gate.record(["hard"], True, [1], 0.100)

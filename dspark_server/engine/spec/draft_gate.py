@@ -59,11 +59,11 @@ class DraftGate:
     def __init__(
         self,
         explore_every: int = 4,
-        max_explore_interval: int = 64,
+        max_explore_interval: int = 256,
         smoothing: float = 0.05,
         request_smoothing: float = 0.5,
         max_explore_overhead: float = 0.02,
-        min_samples: int = 4,
+        min_samples: int = 2,
     ) -> None:
         if explore_every < 2 or max_explore_interval < explore_every:
             raise ValueError("explore_every must be >= 2 and <= max_explore_interval")
