@@ -77,8 +77,11 @@ def breakdown(
     totals.clear()
     done = 0
     tokens0 = eng.stats.generation_tokens
+    verified0 = eng.stats.spec_verified_tokens
+    request_steps = 0
     t0 = time.perf_counter()
     while eng.has_work() and done < steps:
+        request_steps += sum(r.is_decoding for r in eng.scheduler.running)
         eng.step()
         done += 1
     wall = time.perf_counter() - t0
@@ -100,6 +103,10 @@ def breakdown(
         "tokens_per_s": round(tokens / wall, 1),
         "ms_per_step": round(1000 * wall / done, 3),
         "phases_ms": {k: round(v, 3) for k, v in sorted(ms.items())},
+        # drafts verified per decoding request per step, plain steps included (paper's Figure 8)
+        "verified_per_request_step": round(
+            (eng.stats.spec_verified_tokens - verified0) / max(1, request_steps), 3
+        ),
         "threads": torch.get_num_threads(),
         "dtype": dtype,
     }

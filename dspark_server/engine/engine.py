@@ -137,16 +137,29 @@ class LLMEngine:
             if req.first_scheduled_time is None:
                 req.first_scheduled_time = now
         self.stats.prompt_tokens += sum(c.num_tokens for c in sched.prefills)
-        if self.spec is not None:
-            self._run_speculative(self.spec, sched)
+        spec = self.spec
+        if spec is not None and spec.wants_draft(sched.decodes):
+            self._run_speculative(spec, sched)
             return
-        seq_chunks = [SeqChunk(r.table, r.num_computed, [r.last_token_id]) for r in sched.decodes]
+        # a plain step; in a speculative mode it also captures the drafter's features
+        t0 = time.perf_counter()
+        positions = [r.num_computed for r in sched.decodes]
+        seq_chunks = [
+            SeqChunk(r.table, p, [r.last_token_id]) for r, p in zip(sched.decodes, positions, strict=True)
+        ]
         seq_chunks += [SeqChunk(c.request.table, c.start, c.token_ids) for c in sched.prefills]
         tail = [1] * len(sched.decodes) + [1 if c.completes else 0 for c in sched.prefills]
-        result = self.runner.forward(seq_chunks, tail)
+        capture = spec.drafter.capture_layers if spec is not None else ()
+        result = self.runner.forward(seq_chunks, tail, capture_layers=capture)
         self.stats.record_batch(result.batch.num_tokens, result.seconds)
+        if spec is not None:
+            spec.keep_plain(self.runner.allocator, sched.decodes, positions, sched.prefills, result)
         completing = [c.request for c in sched.prefills if c.completes]
         self._sample_next(sched.decodes + completing, result.output.logits)
+        if spec is not None and sched.decodes:
+            seconds = time.perf_counter() - t0
+            spec.record_plain(sched.decodes, result, sum(c.num_tokens for c in sched.prefills), seconds)
+            self.stats.record_spec_step(len(sched.decodes), "plain", None, seconds)
 
     def _run_speculative(self, spec: SpeculativeDecoder, sched: SchedulerOutput) -> None:
         """The speculative step returns what each request emits; the engine commits it, samples

@@ -121,6 +121,26 @@ class SpeculativeDecoder:
         # Called once per step with every decoding request's round (calibration, evaluation).
         self.round_observers: list[Callable[[RoundRecord], None]] = []
 
+    def wants_draft(self, decodes: list[Request]) -> bool:
+        """Whether this step drafts (the draft gate's choice; always, without a gate). Asked once
+        per step: False sends the step down the engine's plain path, then ``keep_plain``."""
+        return bool(decodes) and (self.gate is None or self.gate.choose([r.request_id for r in decodes]))
+
+    def keep_plain(
+        self,
+        alloc: PageAllocator,
+        decodes: list[Request],
+        positions: list[int],
+        prefills: list[ScheduledChunk],
+        forward: ForwardResult,
+    ) -> None:
+        """After a plain step's forward (features captured): the decodes' drafter-context writes
+        are put off, the prefill chunks' written now."""
+        self.last_verify_lens = [0] * len(decodes)
+        if self.live_sps is not None and decodes and not prefills:
+            self.live_sps.record(forward.batch.num_tokens, forward.seconds)
+        self._keep_accepted(alloc, decodes, positions, prefills, forward, None, False)
+
     @torch.inference_mode()
     def step(
         self,
@@ -134,7 +154,7 @@ class SpeculativeDecoder:
         t_start = time.perf_counter()
         sampling = SamplingTensors.from_params([r.params for r in decodes])
         prefill_tokens = sum(c.num_tokens for c in prefills)
-        drafting = bool(decodes) and (self.gate is None or self.gate.choose([r.request_id for r in decodes]))
+        drafting = bool(decodes)  # the engine asked ``wants_draft`` first; a plain step is its own
         drafts = Drafts.empty(len(decodes), self.gamma)
         plan = _Plan([0] * len(decodes), None, None)
         draft_s = 0.0
@@ -172,21 +192,44 @@ class SpeculativeDecoder:
     def record(self, result: SpecStepResult, kept: Sequence[int], step_seconds: float) -> None:
         """After the engine committed ``result`` (``kept``: the tokens each request kept): teach
         the gate and the overhead estimate."""
-        if not result.decodes:
+        forecast = kept if result.expected_tokens is None else result.expected_tokens
+        self._learn(
+            [d.request for d in result.decodes],
+            result.drafted,
+            forecast,
+            result.forward,
+            result.prefill_tokens,
+            result.draft_seconds,
+            step_seconds,
+        )
+
+    def record_plain(
+        self, decodes: list[Request], forward: ForwardResult, prefill_tokens: int, step_seconds: float
+    ) -> None:
+        """After a plain step (``keep_plain``): the same lessons, one token per request."""
+        self._learn(decodes, False, [1] * len(decodes), forward, prefill_tokens, 0.0, step_seconds)
+
+    def _learn(
+        self,
+        decodes: list[Request],
+        drafted: bool,
+        tokens: Sequence[float],
+        forward: ForwardResult,
+        prefill_tokens: int,
+        draft_seconds: float,
+        step_seconds: float,
+    ) -> None:
+        if not decodes:
             return
         # Under steady traffic almost every step also carries a prefill chunk: leave out its
         # share of the forward (by token count) rather than the whole step, so the estimates
         # keep learning instead of freezing on the rare prefill-free steps.
-        fwd = result.forward
-        prefill_s = fwd.seconds * result.prefill_tokens / max(1, fwd.batch.num_tokens)
+        prefill_s = forward.seconds * prefill_tokens / max(1, forward.batch.num_tokens)
         step_s = step_seconds - prefill_s
-        num = len(result.decodes)
         if self.gate is not None:
-            ids = [d.request.request_id for d in result.decodes]
-            forecast = kept if result.expected_tokens is None else result.expected_tokens
-            self.gate.record(ids, result.drafted, forecast, step_s)
+            self.gate.record([r.request_id for r in decodes], drafted, tokens, step_s)
         if self.overhead is not None:
-            self.overhead.record(num, step_s, fwd.seconds - prefill_s, result.draft_seconds)
+            self.overhead.record(len(decodes), step_s, forward.seconds - prefill_s, draft_seconds)
 
     # ---- phases ----------------------------------------------------------------------------
 
@@ -312,7 +355,7 @@ class SpeculativeDecoder:
         anchor_pos: list[int],
         prefills: list[ScheduledChunk],
         forward: ForwardResult,
-        outcome: VerifyOutcome,
+        outcome: VerifyOutcome | None,
         drafted: bool,
     ) -> None:
         """Keep x0..x_acc in both caches; one drafter-context write for the whole step, prefill
@@ -332,6 +375,7 @@ class SpeculativeDecoder:
         if full:
             self._catch_up(alloc, decodes)
         for i, (req, start) in enumerate(zip(decodes if drafted else [], anchor_pos, strict=False)):
+            assert outcome is not None
             alloc.truncate(req.table, start + outcome.accepted[i] + 1)
             tables.append(req.table)
             rows.append((offsets[i], start, outcome.accepted[i] + 1))

@@ -4,7 +4,7 @@ Drafting reads, for every committed position, K/V that the drafter computes from
 captured features (``DSparkDrafter.write_context``). A step that does not draft (the draft gate
 chose plain) still captures those features, but writing them would make a plain step in dspark
 mode cost more than a plain step. So such a step only keeps its decoding requests' feature rows
-here, one tensor per step; the next drafting step (or the step that fills ``max_steps``) takes
+here, one tensor per step; the next drafting step (or the step that fills the buffer) takes
 them all and writes them in one call.
 
 Rows of requests that are no longer decoding when the writes are taken are dropped: a finished
@@ -38,11 +38,17 @@ class ContextWrites:
 
 
 class DeferredContext:
-    def __init__(self, max_steps: int = 64) -> None:
-        if max_steps < 1:
-            raise ValueError("max_steps must be >= 1")
+    """At most ``max_steps`` steps or ``max_bytes`` of features are held: writes taken at the
+    bound cost what writing them at once would have, so the bound is set high enough that at high
+    load (where drafting rarely resumes) most requests finish first and their rows are dropped."""
+
+    def __init__(self, max_steps: int = 4096, max_bytes: int = 256 << 20) -> None:
+        if max_steps < 1 or max_bytes < 1:
+            raise ValueError("max_steps and max_bytes must be >= 1")
         self.max_steps = max_steps
+        self.max_bytes = max_bytes
         self._steps: list[_DeferredStep] = []
+        self._bytes = 0
 
     def __len__(self) -> int:
         """Steps whose writes are pending."""
@@ -52,12 +58,13 @@ class DeferredContext:
         """Keep one step's rows (each request committed one token, at ``positions``). True: the
         buffer is full, take the writes now."""
         self._steps.append(_DeferredStep(list(requests), list(positions), features))
-        return len(self._steps) >= self.max_steps
+        self._bytes += features.numel() * features.element_size()
+        return len(self._steps) >= self.max_steps or self._bytes >= self.max_bytes
 
     def take(self, alloc: PageAllocator, live: Sequence[Request]) -> ContextWrites | None:
         """Every pending write of the ``live`` requests (the step's decoding requests), with the
         slots their positions hold now; the rest is dropped, and the buffer emptied."""
-        steps, self._steps = self._steps, []
+        steps, self._steps, self._bytes = self._steps, [], 0
         wanted = {id(r) for r in live}
         rows: dict[int, list[int]] = {}  # request -> rows of the stacked features
         positions: dict[int, list[int]] = {}
