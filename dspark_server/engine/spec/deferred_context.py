@@ -57,6 +57,10 @@ class DeferredContext:
     def defer(self, requests: Sequence[Request], positions: Sequence[int], features: torch.Tensor) -> bool:
         """Keep one step's rows (each request committed one token, at ``positions``). True: the
         buffer is full, take the writes now."""
+        live = {id(r) for r in requests}  # every decoding request is in every step
+        while self._steps and not any(id(r) in live for r in self._steps[0].requests):
+            gone = self._steps.pop(0)  # its requests all left: nothing of it will be written
+            self._bytes -= gone.features.numel() * gone.features.element_size()
         self._steps.append(_DeferredStep(list(requests), list(positions), features))
         self._bytes += features.numel() * features.element_size()
         return len(self._steps) >= self.max_steps or self._bytes >= self.max_bytes
