@@ -29,9 +29,14 @@ def test_gate_measures_both_then_follows_the_faster_and_explores() -> None:
         gate.record(IDS8, True, [1] * 8, 2.0)
     picks = [gate.choose(IDS8) for _ in range(8)]
     assert picks.count(False) == 6
-    # another load bucket keeps its own step times: it measures both again
-    assert gate.choose([f"x{i}" for i in range(64)]) is True
-    assert DraftGate.bucket_of(64) != DraftGate.bucket_of(8)
+    # another load bucket keeps its own step times, seeded from the nearest measured bucket
+    # (times scaled by the load ratio): no warm-up alternation there
+    wide = [f"x{i}" for i in range(64)]
+    assert DraftGate.bucket_of(64) == DraftGate.bucket_of(8) + 3
+    first = gate.choose(wide)
+    assert [gate.choose(wide) for _ in range(2)] == [first, first]
+    draft_rate, plain_rate = gate.rates()[DraftGate.bucket_of(64)]
+    assert plain_rate == pytest.approx(gate.rates()[DraftGate.bucket_of(8)][1] / 8)
 
 
 def test_one_hard_request_does_not_switch_drafting_off_for_the_next() -> None:

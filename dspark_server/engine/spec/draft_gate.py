@@ -16,7 +16,8 @@ number of decoding requests): time depends on load, acceptance on the request. K
 per request is what lets the gate follow the traffic: one hard request that accepts nothing must
 not switch drafting off for the easy ones after it, nor one easy request hide a hard mix.
 
-Each bucket first measures both step kinds alike (``min_samples`` each). After that the slower
+Each bucket first measures both step kinds alike (``min_samples`` each), unless a neighbouring
+bucket is measured already: then it starts from that one's estimates. After that the slower
 choice is explored now and then so its forecast stays current: at most ``max_explore_overhead`` of
 the bucket's time when the two are far apart, never less often than every
 ``max_explore_interval`` steps (a forecast must not freeze on the requests of long ago) and never
@@ -88,8 +89,28 @@ class DraftGate:
     def _bucket(self, num_requests: int) -> _Bucket:
         key = self.bucket_of(num_requests)
         if key not in self._buckets:
-            self._buckets[key] = _Bucket()
+            self._buckets[key] = self._seeded_bucket(key)
         return self._buckets[key]
+
+    def _seeded_bucket(self, key: int) -> _Bucket:
+        """A load bucket seen for the first time starts from the nearest measured one, its step
+        times scaled by the load ratio (2 per bucket), as if warmed up: ramping through seven
+        buckets would otherwise spend 2 x 7 drafting steps where drafting may cost several plain
+        steps. Its own steps replace the seed within a few samples."""
+        warm = [
+            k
+            for k, b in self._buckets.items()
+            if min(b.draft_seconds.count, b.plain_seconds.count) >= self.min_samples
+        ]
+        if not warm:
+            return _Bucket()
+        near = min(warm, key=lambda k: abs(k - key))
+        src, scale = self._buckets[near], 2.0 ** (key - near)
+        return _Bucket(
+            _Mean(src.draft_seconds.value * scale, self.min_samples),
+            _Mean(src.plain_seconds.value * scale, self.min_samples),
+            _Mean(src.tokens_per_request.value, self.min_samples),
+        )
 
     def forecast_tokens(self, request_ids: Sequence[str]) -> float:
         """Tokens a drafting step is expected to emit for these requests."""
