@@ -52,13 +52,12 @@ def _run(
     most = 0
 
     def spy(decodes, drafts, plan, outcome):  # type: ignore[no-untyped-def]
-        nonlocal most
         if drafts.confidence_logits is not None:
             tokens.append(drafts.tokens.clone())
             logits.append(drafts.confidence_logits.clone())
         return observe(decodes, drafts, plan, outcome)
 
-    keep = spec._keep_accepted
+    keep = spec.keep_plain  # where a plain step defers its writes
 
     def after_keep(alloc, decodes, *rest):  # type: ignore[no-untyped-def]
         nonlocal most
@@ -66,7 +65,7 @@ def _run(
         most = max(most, len(spec.deferred))
 
     spec._observe = spy  # type: ignore[method-assign]
-    spec._keep_accepted = after_keep  # type: ignore[method-assign]
+    spec.keep_plain = after_keep  # type: ignore[method-assign]
     rng = random.Random(3)
     prompts = [[rng.randrange(4, 32) for _ in range(rng.randrange(3, 30))] for _ in range(6)]
     col = generate(engine, prompts, [SamplingParams(temperature=0, max_tokens=80)] * 6)

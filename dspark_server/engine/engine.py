@@ -175,10 +175,8 @@ class LLMEngine:
         self._sample_next(completing, result.forward.output.logits[rows])
         seconds = time.perf_counter() - t0
         spec.record(result, kept, seconds)
-        if result.decodes:
-            drafts = sum(d.spec_round[1] for d in result.decodes if d.spec_round is not None)
-            choice = "plain" if not result.drafted else "drafts" if drafts else "none"
-            self.stats.record_spec_step(len(result.decodes), choice, result.predicted_seconds, seconds)
+        choice = "drafts" if sum(d.spec_round[1] for d in result.decodes) else "none"  # verified any?
+        self.stats.record_spec_step(len(result.decodes), choice, result.predicted_seconds, seconds)
 
     def _sample_next(self, reqs: list[Request], logits: torch.Tensor) -> None:
         """The one place a forward's last-token logits become each request's next token."""

@@ -47,7 +47,7 @@ class SelfAttention(nn.Module):
         """Inference: q, k and v projections as one GEMM (call once the weights are loaded), and
         q and k normalised and rotated as one tensor."""
         self._qkv = fuse_linears(self.q_proj, self.k_proj, self.v_proj)
-        if self.qk_norm and self.q_norm.eps == self.k_norm.eps:
+        if self.qk_norm:  # both norms are built with the config's one rms_norm_eps
             self._qk_norm_weight = torch.cat(
                 [
                     self.q_norm.weight.data.expand(self.num_heads, -1),
@@ -70,8 +70,6 @@ class SelfAttention(nn.Module):
         if self._qk_norm_weight is not None:
             normed = F.rms_norm(qk.float(), (d,), eps=self.q_norm.eps).to(qk.dtype)
             qk = self._qk_norm_weight * normed
-        elif self.qk_norm:  # q and k norms with different eps: one each
-            qk = torch.cat([self.q_norm(qk[:, :hq]), self.k_norm(qk[:, hq:])], dim=1)
         q, k = apply_rotary(qk, cos, sin).split([hq, hkv], dim=1)
         return q, k, v
 

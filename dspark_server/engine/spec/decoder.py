@@ -24,7 +24,7 @@ import numpy as np
 import torch
 
 from dspark_server.engine.batch import SeqChunk
-from dspark_server.engine.kv_cache import PageAllocator
+from dspark_server.engine.kv_cache import PageAllocator, PageTable
 from dspark_server.engine.model_runner import ForwardResult, ModelRunner
 from dspark_server.engine.request import Request
 from dspark_server.engine.sampling import SamplingTensors, sample_from_logits, shape_probs
@@ -56,7 +56,7 @@ class RequestTokens:
 
     request: Request
     tokens: list[int]
-    spec_round: tuple[int, int, int] | None  # (drafted, verified, accepted); None: not drafted
+    spec_round: tuple[int, int, int]  # (drafted, verified, accepted)
 
 
 @dataclass(frozen=True)
@@ -64,13 +64,22 @@ class SpecStepResult:
     decodes: list[RequestTokens]
     forward: ForwardResult
     prefill_rows: list[int]  # logits row of each completing prefill chunk's last token, in order
-    drafted: bool
     draft_seconds: float
     prefill_tokens: int
     predicted_seconds: float | None = None  # the cost model's price of this step (dspark mode)
     # per request, 1 + the calibrated survival summed over its verified positions: the tokens
     # the plan expects it to emit (dspark mode; a far less noisy forecast than the tokens kept)
     expected_tokens: list[float] | None = None
+
+
+@dataclass(frozen=True)
+class _ContextRows:
+    """``count`` new tokens of one sequence: packed rows ``row..``, positions ``position..``."""
+
+    table: PageTable
+    row: int
+    position: int
+    count: int
 
 
 @dataclass(frozen=True)
@@ -135,11 +144,17 @@ class SpeculativeDecoder:
         forward: ForwardResult,
     ) -> None:
         """After a plain step's forward (features captured): the decodes' drafter-context writes
-        are put off, the prefill chunks' written now."""
+        are put off (``deferred``, so that a plain step in dspark mode costs what a plain step
+        costs), the prefill chunks' written now."""
         self.last_verify_lens = [0] * len(decodes)
         if self.live_sps is not None and decodes and not prefills:
             self.live_sps.record(forward.batch.num_tokens, forward.seconds)
-        self._keep_accepted(alloc, decodes, positions, prefills, forward, None, False)
+        hidden = forward.output.hidden
+        assert hidden is not None
+        # one token per decode: rows 0..R-1, copied so the rest of the forward's tensors can go
+        if decodes and self.deferred.defer(decodes, positions, hidden[: len(decodes)].clone()):
+            self._catch_up(alloc, decodes)  # the buffer is full
+        self._write_context(alloc, forward, self._prefill_rows(forward, len(decodes), prefills))
 
     @torch.inference_mode()
     def step(
@@ -149,33 +164,31 @@ class SpeculativeDecoder:
         prefills: list[ScheduledChunk],
         max_draft_tokens: int | None = None,
     ) -> SpecStepResult:
-        """One step for the decoding requests (and the step's prefill chunks, in the same
-        forward). ``max_draft_tokens`` caps Σℓ: the tokens of the step's budget prefill left."""
+        """One drafting step for the decoding requests (and the step's prefill chunks, in the
+        same forward); the engine asked ``wants_draft`` first, a step that does not draft is its
+        plain step. ``max_draft_tokens`` caps Σℓ: the tokens of the step's budget prefill left."""
+        if not decodes:
+            raise ValueError("a speculative step needs decoding requests (else it is a plain step)")
         t_start = time.perf_counter()
         sampling = SamplingTensors.from_params([r.params for r in decodes])
         prefill_tokens = sum(c.num_tokens for c in prefills)
-        drafting = bool(decodes)  # the engine asked ``wants_draft`` first; a plain step is its own
-        drafts = Drafts.empty(len(decodes), self.gamma)
-        plan = _Plan([0] * len(decodes), None, None)
-        draft_s = 0.0
         anchor_pos = [r.num_computed for r in decodes]
-        if drafting:
-            self._catch_up(runner.allocator, decodes)
-            drafts = self._draft(runner.allocator, decodes, anchor_pos, sampling)
-            draft_s = time.perf_counter() - t_start
-            plan = self._plan(decodes, drafts, sampling, draft_s, max_draft_tokens, prefill_tokens)
+        self._catch_up(runner.allocator, decodes)
+        drafts = self._draft(runner.allocator, decodes, anchor_pos, sampling)
+        draft_s = time.perf_counter() - t_start
+        plan = self._plan(decodes, drafts, sampling, draft_s, max_draft_tokens, prefill_tokens)
         self.last_verify_lens = plan.lens
 
         forward, outcome, rows = self._verify(runner, decodes, prefills, drafts, plan.lens, sampling)
         if self.live_sps is not None and not prefills:  # prefill chunks would skew the curve
             self.live_sps.record(forward.batch.num_tokens, forward.seconds)
         self._observe(decodes, drafts, plan, outcome)
-        self._keep_accepted(runner.allocator, decodes, anchor_pos, prefills, forward, outcome, drafting)
+        self._keep_accepted(runner.allocator, decodes, anchor_pos, prefills, forward, outcome)
         emitted = [
             RequestTokens(
                 req,
                 drafts.tokens[i, :acc].tolist() + [nxt] if acc else [nxt],
-                (self.gamma, plan.lens[i], acc) if drafting else None,
+                (self.gamma, plan.lens[i], acc),
             )
             for i, (req, acc, nxt) in enumerate(
                 zip(decodes, outcome.accepted, outcome.next_tokens, strict=True)
@@ -186,7 +199,7 @@ class SpeculativeDecoder:
             admitted = torch.arange(plan.survival.shape[1])[None, :] < torch.tensor(plan.lens)[:, None]
             expected = (1.0 + (plan.survival * admitted).sum(dim=1)).tolist()
         return SpecStepResult(
-            emitted, forward, rows, drafting, draft_s, prefill_tokens, plan.predicted_seconds, expected
+            emitted, forward, rows, draft_s, prefill_tokens, plan.predicted_seconds, expected
         )
 
     def record(self, result: SpecStepResult, kept: Sequence[int], step_seconds: float) -> None:
@@ -195,7 +208,7 @@ class SpeculativeDecoder:
         forecast = kept if result.expected_tokens is None else result.expected_tokens
         self._learn(
             [d.request for d in result.decodes],
-            result.drafted,
+            True,
             forecast,
             result.forward,
             result.prefill_tokens,
@@ -317,13 +330,13 @@ class SpeculativeDecoder:
         logits = forward.output.logits
         ends = torch.tensor(tail, dtype=torch.long).cumsum(0).tolist()
         starts = [0] + ends[:-1]
-        if decodes and not any(lens):  # nothing to verify: the plain path's sampler, as is
+        if not any(lens):  # nothing to verify: the plain path's sampler, as is
             last = logits[torch.tensor(starts[: len(decodes)])]
             gens, keys = [r.generator for r in decodes], [r.noise_key for r in decodes]
             outcome = VerifyOutcome(
                 [0] * len(decodes), sample_from_logits(last, sampling, gens, keys).tolist()
             )
-        elif decodes:
+        else:
             # Every request's ℓ_r + 1 rows, padded to the step's widest block: [R, L + 1].
             width = max(lens) + 1
             index = torch.tensor(starts[: len(decodes)])[:, None] + torch.arange(width)[None, :]
@@ -343,8 +356,6 @@ class SpeculativeDecoder:
                     [r.generator for r in decodes],
                     [r.noise_key for r in decodes],
                 )
-        else:
-            outcome = VerifyOutcome([], [])
         completing = [s for s, c in zip(starts[len(decodes) :], prefills, strict=True) if c.completes]
         return forward, outcome, completing
 
@@ -355,41 +366,36 @@ class SpeculativeDecoder:
         anchor_pos: list[int],
         prefills: list[ScheduledChunk],
         forward: ForwardResult,
-        outcome: VerifyOutcome | None,
-        drafted: bool,
+        outcome: VerifyOutcome,
     ) -> None:
         """Keep x0..x_acc in both caches; one drafter-context write for the whole step, prefill
-        chunks included. A step that did not draft puts its decodes' writes off (``deferred``),
-        so that a plain step in dspark mode costs what a plain step costs."""
-        hidden = forward.output.hidden
-        assert hidden is not None
+        chunks included."""
         offsets = forward.batch.offsets
-        rows: list[tuple[int, int, int]] = []  # (packed row of the first token, its position, count)
-        tables = []
-        # not drafted: one token each (rows 0..R-1), nothing to truncate, the writes put off
-        full = (
-            bool(decodes)
-            and not drafted
-            and self.deferred.defer(decodes, anchor_pos, hidden[: len(decodes)].clone())
-        )
-        if full:
-            self._catch_up(alloc, decodes)
-        for i, (req, start) in enumerate(zip(decodes if drafted else [], anchor_pos, strict=False)):
-            assert outcome is not None
+        rows: list[_ContextRows] = []
+        for i, (req, start) in enumerate(zip(decodes, anchor_pos, strict=True)):
             alloc.truncate(req.table, start + outcome.accepted[i] + 1)
-            tables.append(req.table)
-            rows.append((offsets[i], start, outcome.accepted[i] + 1))
-        first_prefill = len(anchor_pos)
-        for j, c in enumerate(prefills):
-            tables.append(c.request.table)
-            rows.append((offsets[first_prefill + j], c.start, c.num_tokens))
+            rows.append(_ContextRows(req.table, offsets[i], start, outcome.accepted[i] + 1))
+        self._write_context(alloc, forward, rows + self._prefill_rows(forward, len(decodes), prefills))
+
+    @staticmethod
+    def _prefill_rows(
+        forward: ForwardResult, num_decodes: int, prefills: list[ScheduledChunk]
+    ) -> list[_ContextRows]:
+        offsets = forward.batch.offsets[num_decodes:]
+        return [
+            _ContextRows(c.request.table, off, c.start, c.num_tokens)
+            for off, c in zip(offsets, prefills, strict=True)
+        ]
+
+    def _write_context(self, alloc: PageAllocator, forward: ForwardResult, rows: list[_ContextRows]) -> None:
+        """One drafter-context write for these runs of the forward's new tokens."""
         if not rows:
             return
-        packed = torch.cat([torch.arange(off, off + n) for off, _, n in rows])
-        positions = torch.cat([torch.arange(pos, pos + n) for _, pos, n in rows])
-        slots = torch.cat(
-            [alloc.slots(table, pos, pos + n) for table, (_, pos, n) in zip(tables, rows, strict=True)]
-        )
+        hidden = forward.output.hidden
+        assert hidden is not None
+        packed = torch.cat([torch.arange(r.row, r.row + r.count) for r in rows])
+        positions = torch.cat([torch.arange(r.position, r.position + r.count) for r in rows])
+        slots = torch.cat([alloc.slots(r.table, r.position, r.position + r.count) for r in rows])
         self.drafter.write_context(hidden[packed], positions, slots, self.pool)
 
     def _catch_up(self, alloc: PageAllocator, decodes: list[Request]) -> None:

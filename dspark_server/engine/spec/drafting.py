@@ -24,10 +24,6 @@ class Drafts:
     probs: torch.Tensor | None  # [R, γ, V] q each draft was sampled from (None: all greedy)
     confidence_logits: torch.Tensor | None  # [R, γ] raw, before STS
 
-    @classmethod
-    def empty(cls, num_requests: int, gamma: int) -> Drafts:
-        return cls(torch.zeros(num_requests, gamma, dtype=torch.long), None, None)
-
 
 def sample_drafts(
     drafter: DSparkDrafter,
