@@ -20,6 +20,7 @@ from typing import Any
 import torch
 
 from dspark_server.assets import DEMO_DRAFT, DEMO_TARGET
+from dspark_server.bench.common import write_json
 from dspark_server.config import EngineConfig, SpeculativeConfig
 from dspark_server.engine.engine import LLMEngine
 from dspark_server.engine.request import SamplingParams
@@ -118,8 +119,7 @@ def main(argv: list[str] | None = None) -> int:
         )
     )
     if a.out:
-        a.out.parent.mkdir(parents=True, exist_ok=True)
-        a.out.write_text(json.dumps(result, indent=2) + "\n")
+        write_json(a.out, result)
     return 0
 
 

@@ -12,11 +12,12 @@ and dspark's TTFT / off's), OUT.json (the parsed numbers) and OUT.png (tokens/s 
 from __future__ import annotations
 
 import argparse
-import json
 import re
 from collections import defaultdict
 from pathlib import Path
 from typing import Any
+
+from dspark_server.bench.common import write_json
 
 LINE = re.compile(
     r"^(?P<sys>\S+) (?P<set>\S+) c=(?P<c>\d+) T=(?P<t>[\d.]+) tps=(?P<tps>[\d.]+) "
@@ -119,8 +120,7 @@ def main(argv: list[str] | None = None) -> int:
     rows = parse(a.runs)
     if not rows:
         p.error("no serve-bench lines found")
-    a.out.parent.mkdir(parents=True, exist_ok=True)
-    a.out.with_suffix(".json").write_text(json.dumps(rows, indent=2) + "\n")
+    write_json(a.out.with_suffix(".json"), rows)
     plot(rows, a.out.with_suffix(".png"), a.title)
     page = [f"## {a.title}\n"]
     if a.command:

@@ -22,6 +22,7 @@ from typing import Any
 import torch
 
 from dspark_server.assets import DEMO_DRAFT, DEMO_TARGET
+from dspark_server.bench.common import write_json
 from dspark_server.config import EngineConfig, SpeculativeConfig
 from dspark_server.engine.engine import LLMEngine
 from dspark_server.engine.request import SamplingParams
@@ -143,8 +144,7 @@ def main(argv: list[str] | None = None) -> int:
             print(json.dumps(row))
             rows.append(row)
     if a.out:
-        a.out.parent.mkdir(parents=True, exist_ok=True)
-        a.out.write_text(json.dumps(rows, indent=2) + "\n")
+        write_json(a.out, rows)
     return 0
 
 
