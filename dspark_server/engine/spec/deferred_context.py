@@ -70,23 +70,21 @@ class DeferredContext:
         slots their positions hold now; the rest is dropped, and the buffer emptied."""
         steps, self._steps, self._bytes = self._steps, [], 0
         wanted = {id(r) for r in live}
-        rows: dict[int, list[int]] = {}  # request -> rows of the stacked features
-        positions: dict[int, list[int]] = {}
-        owner: dict[int, Request] = {}
+        picked: dict[int, tuple[Request, list[int], list[int]]] = {}  # request -> rows, positions
         base = 0
         for step in steps:
             for j, (req, pos) in enumerate(zip(step.requests, step.positions, strict=True)):
                 if id(req) in wanted:
-                    rows.setdefault(id(req), []).append(base + j)
-                    positions.setdefault(id(req), []).append(pos)
-                    owner[id(req)] = req
+                    _, rows, positions = picked.setdefault(id(req), (req, [], []))
+                    rows.append(base + j)
+                    positions.append(pos)
             base += len(step.requests)
-        if not rows:
+        if not picked:
             return None
-        index = torch.tensor([i for r in rows.values() for i in r])
-        where = [torch.tensor(positions[k]) for k in rows]
+        index = torch.tensor([i for _, rows, _ in picked.values() for i in rows])
+        where = [(req, torch.tensor(positions)) for req, _, positions in picked.values()]
         return ContextWrites(
             torch.cat([s.features for s in steps])[index],
-            torch.cat(where),
-            torch.cat([alloc.slots_at(owner[k].table, w) for k, w in zip(rows, where, strict=True)]),
+            torch.cat([w for _, w in where]),
+            torch.cat([alloc.slots_at(req.table, w) for req, w in where]),
         )

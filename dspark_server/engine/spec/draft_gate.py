@@ -55,6 +55,10 @@ class _Bucket:
     tokens_per_request: _Mean = field(default_factory=_Mean)  # in drafting steps: the prior
     since_explore: int = 0
 
+    def measured(self, min_samples: int) -> bool:
+        """Both step kinds measured ``min_samples`` times (or seeded as if they were)."""
+        return min(self.draft_seconds.count, self.plain_seconds.count) >= min_samples
+
 
 class DraftGate:
     def __init__(
@@ -97,11 +101,7 @@ class DraftGate:
         times scaled by the load ratio (2 per bucket), as if warmed up: ramping through seven
         buckets would otherwise spend 2 x 7 drafting steps where drafting may cost several plain
         steps. Its own steps replace the seed within a few samples."""
-        warm = [
-            k
-            for k, b in self._buckets.items()
-            if min(b.draft_seconds.count, b.plain_seconds.count) >= self.min_samples
-        ]
+        warm = [k for k, b in self._buckets.items() if b.measured(self.min_samples)]
         if not warm:
             return _Bucket()
         near = min(warm, key=lambda k: abs(k - key))
@@ -130,7 +130,7 @@ class DraftGate:
         live = set(request_ids)
         self._forecast = {rid: f for rid, f in self._forecast.items() if rid in live}
         b = self._bucket(len(request_ids))
-        if min(b.draft_seconds.count, b.plain_seconds.count) < self.min_samples:
+        if not b.measured(self.min_samples):
             return b.draft_seconds.count <= b.plain_seconds.count  # warm-up: measure both alike
         draft_rate = self.forecast_tokens(request_ids) / b.draft_seconds.value
         plain_rate = len(request_ids) / b.plain_seconds.value
