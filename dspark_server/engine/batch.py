@@ -63,16 +63,14 @@ def pack(chunks: list[SeqChunk], allocator: PageAllocator) -> PackedBatch:
     kv_len = torch.tensor(kv_lens)
     slots = pages[:, key_pos // ps] * ps + key_pos % ps  # [R, Kmax]
     slots = torch.where(key_pos[None, :] < kv_len[:, None], slots, 0)  # padding: slot 0 (page 0)
-    q_len = torch.tensor(lengths)
-    q_start = torch.cumsum(q_len, 0) - q_len
-    seq = torch.repeat_interleave(torch.arange(len(chunks)), q_len)
-    positions = torch.tensor([c.start for c in chunks])[seq] + torch.arange(int(q_len.sum())) - q_start[seq]
-    offsets = q_start.tolist()
+    layout = PagedLayout.causal_padded(lengths, kv_lens, slots)
+    positions = layout.kv_limit - 1  # a query sees the keys up to its own position
+    seq = torch.repeat_interleave(torch.arange(len(chunks)), layout.q_len)
     return PackedBatch(
         input_ids=torch.tensor([t for c in chunks for t in c.token_ids], dtype=torch.long),
         positions=positions,
         slot_mapping=slots[seq, positions],
-        layout=PagedLayout(q_start, q_len, slots, positions + 1, tuple(lengths), tuple(kv_lens)),
-        offsets=tuple(offsets),
+        layout=layout,
+        offsets=tuple(layout.q_start.tolist()),
         lengths=tuple(lengths),
     )

@@ -35,9 +35,18 @@ class PagedLayout:
         """Sequences whose ``q_lens[r]`` new tokens are the last of their ``len(kv_slots[r])`` keys,
         packed in order: query i of sequence r sits at position ``len - q_len + i`` and sees the
         keys up to and including its own (decodes, verification blocks, prefill chunks)."""
-        kv_lens = [len(s) for s in kv_slots]
-        limits = [torch.arange(k - n + 1, k + 1) for n, k in zip(q_lens, kv_lens, strict=True)]
-        return cls._build(q_lens, kv_lens, kv_slots, torch.cat(limits))
+        slots = pad_sequence([s.long() for s in kv_slots], batch_first=True)
+        return cls.causal_padded(q_lens, [len(s) for s in kv_slots], slots)
+
+    @classmethod
+    def causal_padded(cls, q_lens: Sequence[int], kv_lens: Sequence[int], slots: torch.Tensor) -> PagedLayout:
+        """``causal`` with the key slots already a padded [R, Kmax] matrix (padding: slot 0)."""
+        q_len = torch.tensor(list(q_lens), dtype=torch.long)
+        q_start = torch.cumsum(q_len, 0) - q_len
+        seq = torch.repeat_interleave(torch.arange(len(q_lens)), q_len)
+        first_limit = torch.tensor(list(kv_lens), dtype=torch.long) - q_len + 1
+        limit = first_limit[seq] + torch.arange(int(q_len.sum())) - q_start[seq]
+        return cls(q_start, q_len, slots.long().contiguous(), limit, tuple(q_lens), tuple(kv_lens))
 
     @classmethod
     def blocks(cls, slots: torch.Tensor, lens: torch.Tensor, block: int) -> PagedLayout:
@@ -54,19 +63,6 @@ class PagedLayout:
             q_lens=(block,) * r,
             kv_lens=tuple(int(x) for x in lens),
         )
-
-    @classmethod
-    def _build(
-        cls,
-        q_lens: Sequence[int],
-        kv_lens: Sequence[int],
-        kv_slots: Sequence[torch.Tensor],
-        limit: torch.Tensor,
-    ) -> PagedLayout:
-        q_len = torch.tensor(list(q_lens), dtype=torch.long)
-        starts = torch.cumsum(q_len, 0) - q_len
-        slots = pad_sequence([s.long() for s in kv_slots], batch_first=True)
-        return cls(starts, q_len, slots.contiguous(), limit.long(), tuple(q_lens), tuple(kv_lens))
 
     def seq_slots(self, r: int) -> torch.Tensor:
         return self.slots[r, : self.kv_lens[r]]
