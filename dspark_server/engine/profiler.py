@@ -27,11 +27,19 @@ from dspark_server.planner import SpsCostTable, build_sps_table, monotone_envelo
 log = logging.getLogger(__name__)
 
 
+PROFILE_CONTEXT = 384  # cached tokens behind each probed sequence, where the model allows it
+
+
+def profile_context(max_model_len: int) -> int:
+    """The probes' context for an engine of this ``max_model_len`` (a probe adds its block on top)."""
+    return min(PROFILE_CONTEXT, max(1, max_model_len // 2))
+
+
 def profile_sps(
     runner: ModelRunner,
     max_batch_tokens: int,
     block: int = 8,
-    context: int = 384,
+    context: int = PROFILE_CONTEXT,
     repeats: int = 5,
     warmup: int = 2,
     time_budget_s: float | None = None,

@@ -11,7 +11,7 @@ from tqdm import tqdm
 
 from dspark_server.config import EngineConfig
 from dspark_server.engine.model_runner import ModelRunner
-from dspark_server.engine.profiler import machine_description, profile_key, profile_sps
+from dspark_server.engine.profiler import machine_description, profile_context, profile_key, profile_sps
 from dspark_server.planner import SpsCostTable, plot_sps_table, save_sps_table
 
 
@@ -44,7 +44,7 @@ def run_profile(cfg: ProfileConfig) -> tuple[SpsCostTable, Path]:
             runner,
             cfg.max_batch_tokens,
             block=cfg.block,
-            context=min(384, max(1, cfg.engine.max_model_len // 2)),
+            context=profile_context(cfg.engine.max_model_len),
             repeats=cfg.repeats,
             progress=progress,
         )

@@ -7,7 +7,13 @@ from pathlib import Path
 
 from dspark_server.config import EngineConfig
 from dspark_server.engine.model_runner import ModelRunner
-from dspark_server.engine.profiler import cache_dir, machine_description, profile_key, profile_sps
+from dspark_server.engine.profiler import (
+    cache_dir,
+    machine_description,
+    profile_context,
+    profile_key,
+    profile_sps,
+)
 from dspark_server.engine.spec.decoder import SpeculativeDecoder
 from dspark_server.engine.spec.draft_gate import DraftGate
 from dspark_server.engine.spec.step_overhead import StepOverhead
@@ -29,9 +35,6 @@ log = logging.getLogger(__name__)
 CALIBRATION_FILE = "sts_calibration.json"
 GREEDY_CALIBRATION_FILE = "sts_calibration_greedy.json"
 STARTUP_PROFILE_BUDGET_S = 25.0
-# Cached tokens behind each probed sequence: requests being served have long histories, and a
-# forward over them costs more than over a short context.
-PROFILE_CONTEXT = 384
 
 
 def build_speculative(cfg: EngineConfig, runner: ModelRunner) -> SpeculativeDecoder:
@@ -102,7 +105,7 @@ def resolve_sps_table(cfg: EngineConfig, runner: ModelRunner) -> SpsCostTable:
         runner,
         cfg.max_batch_tokens,
         block=(cfg.spec.gamma or 7) + 1,
-        context=min(PROFILE_CONTEXT, max(1, cfg.max_model_len // 2)),
+        context=profile_context(cfg.max_model_len),
         repeats=3,
         time_budget_s=STARTUP_PROFILE_BUDGET_S,
     )
