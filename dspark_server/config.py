@@ -144,6 +144,9 @@ class EngineConfig:
     # How attention reads the KV pool: "auto" (C++ kernel, else PyTorch), "kernel", "torch",
     # "gather" (the old copy of every history); None: $DSPARK_ATTENTION, else "auto".
     attention_impl: str | None = None
+    # The decoder layers' element-wise steps (norms, q/k norm + rotary + KV store, silu * up) as
+    # fused C++ kernels; False: PyTorch ops (also what runs where the kernels cannot be built).
+    layer_kernels: bool = True
     spec: SpeculativeConfig = field(default_factory=SpeculativeConfig)
 
     def resolved_num_pages(self) -> int:

@@ -121,6 +121,11 @@ def add_engine_args(
         "gather (copy every history, then SDPA), auto (the kernel where it runs, else gather) "
         "(default: $DSPARK_ATTENTION, else auto)",
     )
+    g.add_argument(
+        "--no-layer-kernels",
+        action="store_true",
+        help="run the decoder's element-wise steps as PyTorch ops instead of the fused C++ kernels",
+    )
     if speculation != "none":
         s = parser.add_argument_group("speculation")
         if speculation == "all":
@@ -184,6 +189,7 @@ def engine_config_from_args(
         dtype=getattr(ns, "dtype", None) or field_default(EngineConfig, "dtype"),
         num_threads=getattr(ns, "threads", None),
         attention_impl=getattr(ns, "attention_impl", None),
+        layer_kernels=not getattr(ns, "no_layer_kernels", False),
         spec=spec,
         **capacity,
     )

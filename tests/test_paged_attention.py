@@ -13,7 +13,7 @@ from dspark_server.config import EngineConfig
 from dspark_server.engine.batch import SeqChunk, pack
 from dspark_server.engine.kv_cache import PageAllocator, PageTable
 from dspark_server.engine.model_runner import ModelRunner
-from dspark_server.models import attention, paged_kernel
+from dspark_server.models import attention, kernel_library, paged_kernel
 from dspark_server.models.attention import (
     KVPool,
     block_attention,
@@ -24,7 +24,7 @@ from dspark_server.models.attention import (
 from dspark_server.models.drafter import DraftContext
 from dspark_server.models.paged_layout import PagedLayout
 
-KERNEL = paged_kernel.load_kernel()
+KERNEL = kernel_library.load_library()
 needs_kernel = pytest.mark.skipif(KERNEL is None, reason="the C++ kernel could not be built here")
 IMPLS = [pytest.param("kernel", marks=needs_kernel), "torch"]
 TOL = {torch.float32: 1e-5, torch.bfloat16: 1e-2}
@@ -235,7 +235,7 @@ def test_portable_kernel_without_avx512(
 ) -> None:
     """The kernel's plain-C++ loops (what a CPU without AVX-512 runs) against the reference."""
     monkeypatch.setenv("DSPARK_KERNEL_CACHE", str(tmp_path))
-    lib = paged_kernel.open_kernel(paged_kernel.build("g++", ("-mno-avx512f",)))
+    lib = kernel_library.open_library(kernel_library.build("g++", ("-mno-avx512f",)))
     for hq, hkv, d in [(4, 2, 64), (8, 2, 16)]:
         q, kc, vc, layout = ragged_batch(hq, hkv, d, dtype)
         out, lse = paged_kernel.kernel_attention(lib, q, kc, vc, layout, want_lse=True)
@@ -251,7 +251,7 @@ def test_auto_resolves_to_gather_without_kernel(monkeypatch: pytest.MonkeyPatch)
         assert resolve_impl("auto", torch.float32, cache, 4) == "kernel"
     assert resolve_impl("auto", torch.float64, cache.double(), 4) == "gather"
     assert resolve_impl("torch", torch.float32, cache, 4) == "torch"
-    monkeypatch.setattr(attention, "load_kernel", lambda: None)
+    monkeypatch.setattr(attention, "load_library", lambda: None)
     assert resolve_impl("auto", torch.float32, cache, 4) == "gather"
     q, kc, vc, layout = ragged_batch(4, 2, 64, torch.float32)
     with pytest.raises(RuntimeError, match="could not be built"):
@@ -265,9 +265,9 @@ def test_kernel_build_is_cached(tmp_path: Path, monkeypatch: pytest.MonkeyPatch)
     monkeypatch.setenv("DSPARK_KERNEL_CACHE", str(tmp_path))
     compiler = shutil.which("g++")
     assert compiler is not None
-    first = paged_kernel.build(compiler)
+    first = kernel_library.build(compiler)
     stamp = first.stat().st_mtime_ns
-    assert first.parent == tmp_path and paged_kernel.build(compiler) == first
+    assert first.parent == tmp_path and kernel_library.build(compiler) == first
     assert first.stat().st_mtime_ns == stamp and list(tmp_path.iterdir()) == [first]
 
 

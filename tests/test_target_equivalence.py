@@ -9,8 +9,11 @@ import torch
 
 from dspark_server.engine.batch import SeqChunk, pack
 from dspark_server.engine.kv_cache import PageAllocator, PageTable
+from dspark_server.models import layer_ops
 from dspark_server.models.attention import KVPool
+from dspark_server.models.kernel_library import load_library
 from dspark_server.models.loader import load_target
+from dspark_server.models.target import TargetModel
 
 transformers = pytest.importorskip("transformers")
 
@@ -43,6 +46,24 @@ def _save_hf(tmp_path: Path, arch: str, **extra: object) -> tuple[Path, torch.nn
     return out, model
 
 
+def _layers(ours: TargetModel, layers: str, monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """Serve ``ours`` with the fused layer kernels ("kernels") or PyTorch ops ("torch"); returns a
+    list that counts the fused kernel calls, so a test can tell which path ran."""
+    lib = load_library()
+    if layers == "kernels" and lib is None:
+        pytest.skip("the C++ kernel library could not be built")
+    ours.use_kernels(lib if layers == "kernels" else None)
+    calls: list[int] = []
+    real = layer_ops.silu_mul
+
+    def counted(lib: object, gate_up: torch.Tensor) -> torch.Tensor:
+        calls.append(1)
+        return real(lib, gate_up)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(layer_ops, "silu_mul", counted)
+    return calls
+
+
 def _hf_logits(model: torch.nn.Module, ids: list[int]) -> torch.Tensor:
     with torch.no_grad():
         return model(torch.tensor([ids])).logits[0]
@@ -68,11 +89,15 @@ CASES = [
 ]
 
 
+@pytest.mark.parametrize("layers", ["kernels", "torch"])
 @pytest.mark.parametrize("impl", ["auto", "torch", "gather"])
 @pytest.mark.parametrize(("arch", "extra"), CASES)
-def test_mixed_ragged_batch_matches_transformers(tmp_path: Path, arch: str, extra: dict, impl: str) -> None:
+def test_mixed_ragged_batch_matches_transformers(
+    tmp_path: Path, arch: str, extra: dict, impl: str, layers: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
     model_dir, hf = _save_hf(tmp_path, arch, **extra)
     ours = load_target(model_dir)
+    kernel_calls = _layers(ours, layers, monkeypatch)
     cfg = ours.config
     alloc = PageAllocator(num_pages=32, page_size=4)
     pool = KVPool(
@@ -105,11 +130,16 @@ def test_mixed_ragged_batch_matches_transformers(tmp_path: Path, arch: str, extr
         got = logits[offset : offset + new[i]]
         offset += new[i]
         torch.testing.assert_close(got, ref, atol=1e-4, rtol=1e-4)
+    assert (len(kernel_calls) > 0) == (layers == "kernels")
 
 
-def test_hidden_capture_matches_transformers_hidden_states(tmp_path: Path) -> None:
+@pytest.mark.parametrize("layers", ["kernels", "torch"])
+def test_hidden_capture_matches_transformers_hidden_states(
+    tmp_path: Path, layers: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
     model_dir, hf = _save_hf(tmp_path, "qwen3")
     ours = load_target(model_dir)
+    kernel_calls = _layers(ours, layers, monkeypatch)
     ids = list(range(5, 18))
     with torch.no_grad():
         ref = hf(torch.tensor([ids]), output_hidden_states=True).hidden_states
@@ -130,3 +160,4 @@ def test_hidden_capture_matches_transformers_hidden_states(tmp_path: Path) -> No
     assert out.hidden is not None
     torch.testing.assert_close(out.hidden[:, :64], ref[1][0], atol=1e-4, rtol=1e-4)
     torch.testing.assert_close(out.hidden[:, 64:], ref[2][0], atol=1e-4, rtol=1e-4)
+    assert (len(kernel_calls) > 0) == (layers == "kernels")

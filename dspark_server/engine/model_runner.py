@@ -12,6 +12,7 @@ from dspark_server.config import EngineConfig
 from dspark_server.engine.batch import PackedBatch, SeqChunk, pack
 from dspark_server.engine.kv_cache import PageAllocator
 from dspark_server.models.attention import KVPool
+from dspark_server.models.kernel_library import load_library
 from dspark_server.models.loader import load_target, resolve_dtype
 from dspark_server.models.target import TargetModel, TargetOutput
 
@@ -38,6 +39,7 @@ class ModelRunner:
             self.dtype,
             impl=cfg.attention_impl,
         )
+        self.target.use_kernels(load_library() if cfg.layer_kernels else None)
 
     @torch.inference_mode()
     def forward(

@@ -25,7 +25,8 @@ import torch.nn.functional as F
 
 from dspark_server.config import ATTENTION_IMPLS
 from dspark_server.models.attention_gather import AttentionGroup, build_groups, gather_attend
-from dspark_server.models.paged_kernel import kernel_attention, kernel_supports, load_kernel
+from dspark_server.models.kernel_library import load_library
+from dspark_server.models.paged_kernel import kernel_attention, kernel_supports
 from dspark_server.models.paged_layout import PagedLayout
 from dspark_server.models.paged_torch import torch_attention
 
@@ -65,7 +66,7 @@ class KVPool:
         if self.impl not in ATTENTION_IMPLS:
             raise ValueError(f"attention impl {self.impl!r}: expected one of {ATTENTION_IMPLS}")
         if self.impl in ("auto", "kernel"):
-            kernel = load_kernel()  # built (or read from the cache) now, at start-up, not in a request
+            kernel = load_library()  # built (or read from the cache) now, at start-up, not in a request
             if kernel is None and self.impl == "kernel":
                 raise RuntimeError("attention impl 'kernel' requested but the C++ kernel could not be built")
 
@@ -79,8 +80,14 @@ def resolve_impl(impl: str, q_dtype: torch.dtype, cache: torch.Tensor, num_heads
     impl ``paged_attend`` runs ("auto" becomes "kernel" where the kernel runs, else "gather")."""
     if impl != "auto":
         return impl
-    probe = torch.empty(0, num_heads, cache.shape[-1], dtype=q_dtype)
-    return "kernel" if load_kernel() is not None and kernel_supports(probe, cache) else "gather"
+    fits = _kernel_fits(q_dtype, cache.dtype, cache.device.type, num_heads, cache.shape[1], cache.shape[-1])
+    return "kernel" if fits and load_library() is not None else "gather"
+
+
+@functools.cache
+def _kernel_fits(q_dtype: torch.dtype, dtype: torch.dtype, device: str, hq: int, hkv: int, d: int) -> bool:
+    probe = torch.empty(0, hq, d, dtype=q_dtype, device=device)
+    return kernel_supports(probe, torch.empty(0, hkv, d, dtype=dtype, device=device))
 
 
 def paged_attend(
@@ -100,7 +107,7 @@ def paged_attend(
     of that sequence's own queries (the drafter's block, bidirectional inside itself); the
     PyTorch path needs every sequence to have the same number of queries then."""
     if impl in ("auto", "kernel"):
-        lib = load_kernel()
+        lib = load_library()
         if lib is None and impl == "kernel":
             raise RuntimeError("attention impl 'kernel' requested but the C++ kernel could not be built")
         if lib is not None and kernel_supports(q, k_cache):
@@ -179,6 +186,12 @@ class PagedAttention:
         k_cache, v_cache = self.pool.k[layer], self.pool.v[layer]
         k_cache.index_copy_(0, self.slot_mapping, k.to(k_cache.dtype))
         v_cache.index_copy_(0, self.slot_mapping, v.to(v_cache.dtype))
+        return self.attend_stored(layer, q)
+
+    def attend_stored(self, layer: int, q: torch.Tensor) -> torch.Tensor:
+        """``attend`` for new tokens whose k / v are already in the pool at ``slot_mapping``
+        (written by the fused q/k kernel of layer_ops)."""
+        k_cache, v_cache = self.pool.k[layer], self.pool.v[layer]
         impl = resolve_impl(self.pool.impl, q.dtype, k_cache, q.shape[1])
         if impl == "gather":
             return gather_attend(self.groups, q, k_cache, v_cache)

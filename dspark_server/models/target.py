@@ -6,6 +6,7 @@ checkpoint's state dict loads without renaming.
 
 from __future__ import annotations
 
+import ctypes
 from dataclasses import dataclass
 from typing import cast
 
@@ -14,7 +15,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from dspark_server.config import ModelConfig
-from dspark_server.models.attention import AttentionBackend
+from dspark_server.models import layer_ops
+from dspark_server.models.attention import AttentionBackend, PagedAttention
 from dspark_server.models.layers import RMSNorm, RotaryEmbedding, SwiGLU, apply_rotary, fuse_linears
 
 
@@ -73,6 +75,29 @@ class SelfAttention(nn.Module):
         q, k = apply_rotary(qk, cos, sin).split([hq, hkv], dim=1)
         return q, k, v
 
+    def forward_kernels(
+        self,
+        lib: ctypes.CDLL,
+        x: torch.Tensor,
+        positions: torch.Tensor,
+        inv_freq: torch.Tensor,
+        layer: int,
+        attn: PagedAttention,
+    ) -> torch.Tensor:
+        """The serving path with the fused kernels: one GEMM, one call that normalises and rotates
+        q and k and stores k / v in the pool, attention over the pool, the output GEMM."""
+        assert self._qkv is not None
+        qkv = F.linear(x, *self._qkv)
+        k_cache, v_cache = attn.pool.k[layer], attn.pool.v[layer]
+        heads = (self.num_heads, self.num_kv_heads, self.head_dim)
+        eps = self.q_norm.eps if self.qk_norm else 0.0
+        slots = attn.slot_mapping
+        q = layer_ops.qk_norm_rope_store(
+            lib, qkv, heads, positions, inv_freq, self._qk_norm_weight, eps, slots, k_cache, v_cache
+        )
+        out = attn.attend_stored(layer, q)
+        return self.o_proj(out.view(x.shape[0], self.num_heads * self.head_dim))
+
     def forward(
         self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, layer: int, attn: AttentionBackend
     ) -> torch.Tensor:
@@ -106,6 +131,25 @@ class DecoderLayer(nn.Module):
         x = x + self.self_attn(self.input_layernorm(x), cos, sin, layer, attn)
         return x + self.mlp(self.post_attention_layernorm(x))
 
+    def forward_kernels(
+        self,
+        lib: ctypes.CDLL,
+        x: torch.Tensor,
+        positions: torch.Tensor,
+        inv_freq: torch.Tensor,
+        layer: int,
+        attn: PagedAttention,
+    ) -> torch.Tensor:
+        """``forward`` with the element-wise steps as fused kernel calls (norm, residual add +
+        norm, silu * up); same arithmetic and rounding."""
+        norm_in, norm_post = self.input_layernorm, self.post_attention_layernorm
+        h = layer_ops.rms_norm(lib, x, norm_in.weight, norm_in.eps)[0]
+        a = self.self_attn.forward_kernels(lib, h, positions, inv_freq, layer, attn)
+        h, x = layer_ops.rms_norm(lib, x, norm_post.weight, norm_post.eps, delta=a)
+        assert self.mlp._gate_up is not None
+        gate_up = F.linear(h, *self.mlp._gate_up)
+        return x + self.mlp.down_proj(layer_ops.silu_mul(lib, gate_up))
+
 
 class DecoderStack(nn.Module):
     """The ``model.`` prefix of a Hugging Face causal LM."""
@@ -126,6 +170,7 @@ class TargetModel(nn.Module):
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
+        self._kernels: ctypes.CDLL | None = None  # use_kernels
 
     def forward(
         self,
@@ -142,19 +187,44 @@ class TargetModel(nn.Module):
         (layer i's output is Hugging Face's ``hidden_states[i + 1]``).
         """
         x = self.model.embed_tokens(input_ids)
-        cos, sin = self.model.rotary.cos_sin(positions, x.dtype)
+        lib = self._kernels if self._kernels_apply(x, attn) else None
+        layers = cast("list[DecoderLayer]", self.model.layers)
         captured: list[torch.Tensor] = []
         wanted = set(capture_layers)
-        for i, layer in enumerate(self.model.layers):
-            x = layer(x, cos, sin, i, attn)
+        if lib is not None:
+            inv_freq = self.model.rotary.inv_freq.float()
+        else:
+            cos, sin = self.model.rotary.cos_sin(positions, x.dtype)
+        for i, layer in enumerate(layers):
+            if lib is not None and isinstance(attn, PagedAttention):
+                x = layer.forward_kernels(lib, x, positions, inv_freq, i, attn)
+            else:
+                x = layer(x, cos, sin, i, attn)
             if i in wanted:
                 captured.append(x)
         if wanted:
             order = {layer_id: n for n, layer_id in enumerate(sorted(wanted))}
             captured = [captured[order[layer_id]] for layer_id in capture_layers]
-        x = self.model.norm(x if logits_rows is None else x[logits_rows])
+        x = x if logits_rows is None else x[logits_rows]
+        norm = self.model.norm
+        x = layer_ops.rms_norm(lib, x, norm.weight, norm.eps)[0] if lib is not None else norm(x)
         hidden = torch.cat(captured, dim=-1) if captured else None
         return TargetOutput(logits=self.lm_head(x), hidden=hidden)
+
+    def use_kernels(self, lib: ctypes.CDLL | None) -> None:
+        """Serve with the fused element-wise kernels of ``lib`` (the kernel library), or with the
+        PyTorch ops (None). Applies to inference forwards over a paged KV pool of the model's dtype."""
+        self._kernels = lib
+
+    def _kernels_apply(self, x: torch.Tensor, attn: AttentionBackend) -> bool:
+        return (
+            self._kernels is not None
+            and not torch.is_grad_enabled()
+            and isinstance(attn, PagedAttention)
+            and attn.pool.k.dtype == x.dtype
+            and layer_ops.supports(x)
+            and cast("DecoderLayer", self.model.layers[0]).self_attn._qkv is not None
+        )
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         return self.model.embed_tokens(input_ids)

@@ -15,6 +15,8 @@
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
+
+#include "scalar.h"
 #ifdef __AVX512F__
 #include <immintrin.h>
 extern "C" __m512 _ZGVeN16v_expf(__m512);  // glibc libmvec's 16-lane expf
@@ -44,24 +46,8 @@ struct Args {
   float* lse;             // [T, hq] or null
 };
 
-inline float load(const float* p, int64_t i) { return p[i]; }
-inline float load(const uint16_t* p, int64_t i) {
-  uint32_t bits = static_cast<uint32_t>(p[i]) << 16;
-  float f;
-  memcpy(&f, &bits, sizeof f);
-  return f;
-}
-inline void store(float* p, int64_t i, float x) { p[i] = x; }
-inline void store(uint16_t* p, int64_t i, float x) {  // round to nearest even, as torch does
-  uint32_t bits;
-  memcpy(&bits, &x, sizeof bits);
-  if ((bits & 0x7f800000u) == 0x7f800000u && (bits & 0x007fffffu)) {
-    p[i] = static_cast<uint16_t>((bits >> 16) | 0x40u);  // quiet NaN
-    return;
-  }
-  bits += 0x7fffu + ((bits >> 16) & 1u);
-  p[i] = static_cast<uint16_t>(bits >> 16);
-}
+using dspark::load;
+using dspark::store;
 
 // One work item's state: the scaled queries, running max / sum and output accumulators of its
 // nv = rows x (query heads per kv head) query vectors, row-major (row, head of the group).
