@@ -47,6 +47,7 @@ STS file) reads as one regime without maps, i.e. plain STS.
 
 from __future__ import annotations
 
+import bisect
 import json
 import math
 from collections.abc import Mapping, Sequence
@@ -54,6 +55,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 
@@ -99,8 +101,6 @@ class SurvivalMap:
 
     score: tuple[tuple[float, ...], ...]
     survival: tuple[tuple[float, ...], ...]
-    _knots: tuple[tuple[torch.Tensor, torch.Tensor], ...] = field(init=False, repr=False, compare=False)
-    _padded: tuple[torch.Tensor, torch.Tensor, torch.Tensor] = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         if len(self.score) != len(self.survival) or not self.score:
@@ -118,24 +118,6 @@ class SurvivalMap:
             ys_all.append(ys)
         object.__setattr__(self, "score", tuple(xs_all))
         object.__setattr__(self, "survival", tuple(ys_all))
-        knots = tuple(
-            (torch.tensor(x, dtype=torch.float64), torch.tensor(y, dtype=torch.float64))
-            for x, y in zip(xs_all, ys_all, strict=True)
-        )
-        object.__setattr__(self, "_knots", knots)
-        # All positions at once: knots padded to one length (flat beyond a position's last knot),
-        # with the slope of each segment, for one batched search per call.
-        width = max(len(x) for x in xs_all) + 1
-        xs_pad = torch.empty(len(xs_all), width, dtype=torch.float64)
-        ys_pad = torch.empty_like(xs_pad)
-        for k, (x, y) in enumerate(zip(xs_all, ys_all, strict=True)):
-            xs_pad[k, : len(x)] = torch.tensor(x, dtype=torch.float64)
-            xs_pad[k, len(x) :] = x[-1] + torch.arange(1, width - len(x) + 1, dtype=torch.float64)
-            ys_pad[k, : len(y)] = torch.tensor(y, dtype=torch.float64)
-            ys_pad[k, len(y) :] = y[-1]
-        slope = torch.zeros_like(xs_pad)
-        slope[:, :-1] = (ys_pad[:, 1:] - ys_pad[:, :-1]) / (xs_pad[:, 1:] - xs_pad[:, :-1])
-        object.__setattr__(self, "_padded", (xs_pad, ys_pad, slope))
 
     @property
     def gamma(self) -> int:
@@ -143,15 +125,13 @@ class SurvivalMap:
 
     def __call__(self, scores: torch.Tensor) -> torch.Tensor:
         """[R, gamma] scores -> [R, gamma] survival (before the running minimum over k)."""
-        xs, ys, slope = (t.to(scores.device, scores.dtype) for t in self._padded)
-        x = scores.t().contiguous()  # [gamma, R]
-        i = (torch.searchsorted(xs, x, right=True) - 1).clamp_(min=0)  # segment of each score
-        x0 = xs.gather(1, i)
-        out = ys.gather(1, i) + (x - x0).clamp_(min=0.0) * slope.gather(1, i)  # flat before knot 0
-        return out.t()
+        x = scores.detach().to("cpu", torch.float64).numpy()
+        out = np.stack([self.at(k, x[:, k]) for k in range(self.gamma)], axis=1)
+        return torch.from_numpy(out).to(scores.device, scores.dtype)
 
-    def knots(self, device: torch.device, dtype: torch.dtype) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        return [(xs.to(device, dtype), ys.to(device, dtype)) for xs, ys in self._knots]
+    def at(self, k: int, x: np.ndarray) -> np.ndarray:
+        """Position k's map on float64 inputs: piecewise-linear through the knots, flat outside."""
+        return np.interp(x, self.score[k], self.survival[k])
 
     def to_dict(self) -> dict[str, Any]:
         return {"score": [list(x) for x in self.score], "survival": [list(y) for y in self.survival]}
@@ -165,16 +145,6 @@ class SurvivalMap:
             if not all(isinstance(v, list) for v in data[key]):
                 raise ValueError(f"survival_map {key!r} must hold one list per position")
         return cls(tuple(tuple(x) for x in data["score"]), tuple(tuple(y) for y in data["survival"]))
-
-
-def _interp(x: torch.Tensor, xs: torch.Tensor, ys: torch.Tensor) -> torch.Tensor:
-    """Piecewise-linear through (xs, ys), flat outside [xs[0], xs[-1]]."""
-    if xs.numel() == 1:
-        return ys.expand_as(x).clone()
-    i = torch.searchsorted(xs, x).clamp(1, xs.numel() - 1)
-    x0, x1, y0, y1 = xs[i - 1], xs[i], ys[i - 1], ys[i]
-    frac = ((x - x0) / (x1 - x0)).clamp(0.0, 1.0)
-    return y0 + frac * (y1 - y0)
 
 
 def _isotonic(values: list[float], weights: list[float]) -> list[float]:
@@ -272,19 +242,28 @@ class RegimeCalibration:
         (float32 on the logits' device)."""
         if raw_logits.shape[-1] != self.gamma:
             raise ValueError(f"raw logits have {raw_logits.shape[-1]} positions, calibration {self.gamma}")
-        scores = sts_scores(raw_logits.reshape(-1, self.gamma), self.temperatures)
+        raw = raw_logits.detach().reshape(-1, self.gamma).to("cpu", torch.float64).numpy()
+        surv = torch.from_numpy(self.survival_np(raw)).to(raw_logits.device, torch.float32)
+        return surv.reshape(raw_logits.shape)
+
+    def survival_np(self, raw: np.ndarray) -> np.ndarray:
+        """``survival`` on a float64 [R, gamma] array (the engine's per-step path: a few numpy
+        calls per position, whatever R, instead of a dozen tensor ops)."""
+        z = raw / np.asarray(self.temperatures)
+        scores = np.cumsum(-np.logaddexp(0.0, -z), axis=1)  # log sigmoid, summed over k
         if self.survival_map is None:
-            return scores.exp().to(torch.float32).reshape(raw_logits.shape)
-        first = self.survival_map(scores)
+            return np.exp(scores)
+        g = self.survival_map
+        first = np.empty_like(scores)
+        for k in range(self.gamma):
+            first[:, k] = g.at(k, scores[:, k])
         if self.capped_map is None:
-            surv = torch.cummin(first, dim=-1).values
-        else:
-            prev = torch.ones_like(first[:, 0])
-            for k, (xs, ys) in enumerate(self.capped_map.knots(first.device, first.dtype)):
-                prev = torch.minimum(_interp(torch.minimum(first[:, k], prev), xs, ys), prev)
-                first[:, k] = prev
-            surv = first
-        return surv.to(torch.float32).reshape(raw_logits.shape)
+            return np.minimum.accumulate(first, axis=1)
+        h, prev = self.capped_map, np.ones(len(first))
+        for k in range(self.gamma):
+            prev = np.minimum(h.at(k, np.minimum(first[:, k], prev)), prev)
+            first[:, k] = prev
+        return first
 
     def apply(self, raw_logits: torch.Tensor) -> torch.Tensor:
         """[R, gamma] raw logits -> per-position confidences c_k = a_k / a_{k-1}."""
@@ -346,7 +325,7 @@ class CalibrationSet:
     """Regimes keyed by sampling temperature: distinct keys (sorted ascending), one gamma."""
 
     regimes: tuple[RegimeCalibration, ...]
-    _keys: torch.Tensor = field(init=False, repr=False, compare=False)
+    _rows: dict[float, tuple[float, ...]] = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         regimes = tuple(sorted(self.regimes, key=lambda r: r.sampling_temperature))
@@ -358,7 +337,7 @@ class CalibrationSet:
         if len({r.gamma for r in regimes}) != 1:
             raise ValueError(f"calibration regimes differ in gamma: {[r.gamma for r in regimes]}")
         object.__setattr__(self, "regimes", regimes)
-        object.__setattr__(self, "_keys", torch.tensor(keys, dtype=torch.float64))
+        object.__setattr__(self, "_rows", {})
 
     @property
     def gamma(self) -> int:
@@ -406,25 +385,31 @@ class CalibrationSet:
     def weights(self, temperatures: torch.Tensor) -> torch.Tensor:
         """[R] sampling temperatures -> [R, M] weight of each regime per row (rows sum to 1), by
         the selection rule of the module docstring."""
-        t = temperatures.detach().reshape(-1).to("cpu", torch.float64)
-        keys, m = self._keys, len(self.regimes)
-        w = torch.zeros(t.numel(), m, dtype=torch.float64)
-        has_greedy = self.regimes[0].is_greedy
-        cols = torch.arange(m)[keys > 0] if bool((keys > 0).any()) else torch.arange(m)
-        skeys = keys[cols]
-        tc = t.clamp(float(skeys[0]), float(skeys[-1]))
-        hi = torch.searchsorted(skeys, tc).clamp(max=skeys.numel() - 1)
-        lo = (hi - 1).clamp(min=0)
-        span = skeys[hi] - skeys[lo]
-        frac = torch.where(span > 0, (tc - skeys[lo]) / torch.where(span > 0, span, 1.0), 1.0)
-        rows = torch.arange(t.numel())
-        w.index_put_((rows, cols[lo]), 1.0 - frac, accumulate=True)
-        w.index_put_((rows, cols[hi]), frac, accumulate=True)
-        if has_greedy:
-            greedy_rows = t <= 0
-            w[greedy_rows] = 0.0
-            w[greedy_rows, 0] = 1.0
-        return w
+        t = temperatures.detach().reshape(-1).to("cpu", torch.float64).tolist()
+        return torch.tensor([self._weight_row(x) for x in t], dtype=torch.float64).reshape(len(t), -1)
+
+    def _weight_row(self, t: float) -> tuple[float, ...]:
+        """One row of ``weights``, memoised per temperature (a server sees a handful of values)."""
+        row = self._rows.get(t)
+        if row is not None:
+            return row
+        keys, m = self.sampling_temperatures, len(self.regimes)
+        w = [0.0] * m
+        if self.regimes[0].is_greedy and t <= 0:
+            w[0] = 1.0
+        else:
+            cols = [i for i in range(m) if keys[i] > 0] or list(range(m))
+            skeys = [keys[i] for i in cols]
+            tc = min(max(t, skeys[0]), skeys[-1])
+            hi = min(bisect.bisect_left(skeys, tc), len(skeys) - 1)
+            lo = max(hi - 1, 0)
+            span = skeys[hi] - skeys[lo]
+            frac = (tc - skeys[lo]) / span if span > 0 else 1.0
+            w[cols[lo]] += 1.0 - frac
+            w[cols[hi]] += frac
+        if len(self._rows) < 1024:
+            self._rows[t] = tuple(w)
+        return tuple(w)
 
     def survival(self, raw_logits: torch.Tensor, temperatures: torch.Tensor) -> torch.Tensor:
         """[R, gamma] raw logits, [R] sampling temperatures -> [R, gamma] calibrated prefix
@@ -435,18 +420,20 @@ class CalibrationSet:
             raise ValueError(f"{temperatures.numel()} temperatures for {raw_logits.shape[0]} rows")
         if len(self.regimes) == 1:
             return self.regimes[0].survival(raw_logits)
-        t = temperatures.detach().reshape(-1)
-        uniform = bool((t == t[0]).all())  # the common case: one sampling temperature for the batch
-        w = self.weights(t[:1]).expand(t.numel(), -1) if uniform else self.weights(t)
-        w = w.to(raw_logits.device, torch.float32)
-        out = torch.zeros(raw_logits.shape, dtype=torch.float32, device=raw_logits.device)
-        for i, regime in enumerate(self.regimes):
-            rows = torch.nonzero(w[:, i] > 0).squeeze(1)
-            if rows.numel() == raw_logits.shape[0]:
-                out += w[:, i : i + 1] * regime.survival(raw_logits)
-            elif rows.numel():
-                out.index_add_(0, rows, w[rows, i : i + 1] * regime.survival(raw_logits[rows]))
-        return out
+        raw = raw_logits.detach().to("cpu", torch.float64).numpy()
+        temps = temperatures.detach().reshape(-1).to("cpu", torch.float64).numpy()
+        out = np.zeros_like(raw)
+        if bool((temps == temps[0]).all()):  # the common case: one sampling temperature for the batch
+            for regime, wi in zip(self.regimes, self._weight_row(float(temps[0])), strict=True):
+                if wi > 0:
+                    out += wi * regime.survival_np(raw)
+        else:
+            w = self.weights(temperatures).numpy()
+            for i, regime in enumerate(self.regimes):
+                rows = np.nonzero(w[:, i] > 0)[0]
+                if rows.size:
+                    out[rows] += w[rows, i : i + 1] * regime.survival_np(raw[rows])
+        return torch.from_numpy(out).to(raw_logits.device, torch.float32)
 
     def apply(self, raw_logits: torch.Tensor, temperatures: torch.Tensor) -> torch.Tensor:
         """The engine's hook: [R, gamma] raw confidence logits and [R] sampling temperatures ->
@@ -561,7 +548,7 @@ def fit_survival_maps(
         capped = torch.minimum(first[:, k], prev)
         xs, ys = _fit_knots(capped, targets[:, k], bins)
         h_knots.append((xs, ys))
-        h_k = _interp(capped, torch.tensor(xs, dtype=torch.float64), torch.tensor(ys, dtype=torch.float64))
+        h_k = torch.from_numpy(np.interp(capped.numpy(), xs, ys))
         prev = torch.minimum(h_k, prev)
     return g, SurvivalMap(tuple(x for x, _ in h_knots), tuple(y for _, y in h_knots))
 
