@@ -64,8 +64,12 @@ def test_round_trip_gives_identical_logits(tmp_path: Path, head: str, tied: bool
     save_drafter(d, tmp_path)
     loaded = load_drafter(tmp_path, target)
     assert loaded.config == d.config
+    mine, theirs = d.state_dict(), loaded.state_dict()
+    assert mine.keys() == theirs.keys()
+    assert all(torch.equal(mine[k], theirs[k]) for k in mine)
+    # the loaded weights are stored in their serving layout: same values, GEMMs rounding apart
     for a, b in zip(run_both_paths(d), run_both_paths(loaded), strict=True):
-        assert torch.equal(a, b)
+        torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
     tensors = load_file(str(tmp_path / "model.safetensors"))
     assert torch.equal(tensors["lm_head.weight"], target.lm_head.weight)  # DeepSpec keeps both copies
     assert torch.equal(tensors["embed_tokens.weight"], target.model.embed_tokens.weight)

@@ -14,9 +14,11 @@ from pathlib import Path
 
 import torch
 from safetensors.torch import save_file
+from torch import nn
 
 from dspark_server.models.drafter import DSparkDrafter
 from dspark_server.models.drafter_config import DraftConfig
+from dspark_server.models.layers import serving_layout_
 from dspark_server.models.loader import load_state, read_safetensors_dir
 from dspark_server.models.target import TargetModel
 
@@ -85,6 +87,9 @@ def load_drafter(
     load_state(drafter, tensors, ignore=IGNORED_PREFIXES)
     drafter.eval()
     drafter.requires_grad_(False)
+    for module in drafter.modules():
+        if isinstance(module, nn.Linear):
+            serving_layout_(module)  # faster small-M GEMMs; values unchanged
     return drafter
 
 

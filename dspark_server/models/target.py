@@ -17,7 +17,14 @@ from torch import nn
 from dspark_server.config import ModelConfig
 from dspark_server.models import layer_ops
 from dspark_server.models.attention import AttentionBackend, PagedAttention
-from dspark_server.models.layers import RMSNorm, RotaryEmbedding, SwiGLU, apply_rotary, fuse_linears
+from dspark_server.models.layers import (
+    RMSNorm,
+    RotaryEmbedding,
+    SwiGLU,
+    apply_rotary,
+    fuse_linears,
+    serving_layout_,
+)
 
 
 @dataclass(frozen=True)
@@ -231,10 +238,13 @@ class TargetModel(nn.Module):
 
     def fuse_projections(self) -> None:
         """For serving: one GEMM for q/k/v and one for gate/up in every layer (inference only;
-        training, with gradients on, keeps the separate projections)."""
+        training, with gradients on, keeps the separate projections), every weight in its serving layout."""
         for layer in cast("list[DecoderLayer]", self.model.layers):
             layer.self_attn.fuse()
             layer.mlp.fuse()
+            serving_layout_(layer.self_attn.o_proj)
+            serving_layout_(layer.mlp.down_proj)
+        serving_layout_(self.lm_head)  # tied: the embedding reads the same (float32: column-major) table
 
     def project_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Final norm + LM head applied to last-layer hidden states (shared with the drafter)."""
