@@ -8,9 +8,11 @@ import pytest
 import torch
 
 from dspark_server.config import ModelConfig
+from dspark_server.models import layer_ops
 from dspark_server.models.attention import DenseCausalAttention
 from dspark_server.models.drafter import DraftContext, DSparkDrafter
 from dspark_server.models.drafter_config import DraftConfig, default_target_layer_ids
+from dspark_server.models.kernel_library import load_library
 from dspark_server.models.target import TargetModel
 from dspark_server.training.losses import (
     LossConfig,
@@ -159,10 +161,21 @@ def test_confidence_logit_formula() -> None:
     torch.testing.assert_close(d.confidence_logits(h, prev), ref)
 
 
+@pytest.mark.parametrize("layers", ["kernels", "torch"])
 @pytest.mark.parametrize("head", HEADS)
-def test_serving_path_matches_training_path(head: str) -> None:
-    """Context K/V written to a pool in two commits + batched backbone == forward_train."""
+def test_serving_path_matches_training_path(head: str, layers: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Context K/V written to a pool in two commits + batched backbone == forward_train, with
+    the serving layers on the fused kernels or on PyTorch ops."""
     d = make_drafter(make_target(), head)
+    lib = load_library()
+    if layers == "kernels":
+        if lib is None:
+            pytest.skip("the C++ kernel library could not be built")
+        d.fuse_projections()
+        d.use_kernels(lib)
+    calls: list[int] = []
+    real = layer_ops.qk_norm_rope_store
+    monkeypatch.setattr(layer_ops, "qk_norm_rope_store", lambda *a: calls.append(1) or real(*a))
     ids, feats = data(b=1)
     anchors = torch.tensor([[0, 3, 11, 20]])  # 20 + gamma runs past S
     train = d.forward_train(feats, ids, anchors)
@@ -192,6 +205,8 @@ def test_serving_path_matches_training_path(head: str) -> None:
             atol=1e-5,
             rtol=1e-5,
         )
+    # kernels: 2 layers x (2 context writes + 1 backbone); none on the PyTorch path
+    assert len(calls) == (6 if layers == "kernels" else 0)
 
 
 def test_training_block_sees_only_its_context_prefix() -> None:

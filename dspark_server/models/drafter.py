@@ -16,6 +16,7 @@ head WITHOUT the target's final norm). Block position k (0-based) predicts token
 
 from __future__ import annotations
 
+import ctypes
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import cast
@@ -25,11 +26,13 @@ import torch.nn.functional as F
 from torch import nn
 from torch.nn.utils.rnn import pad_sequence
 
+from dspark_server.models import layer_ops
 from dspark_server.models.attention import KVPool, resolve_impl
-from dspark_server.models.drafter_attention import Attend, gather_attends, paged_block_attend
+from dspark_server.models.drafter_attention import gather_attends, paged_block_attend
 from dspark_server.models.drafter_config import DraftConfig
 from dspark_server.models.drafter_heads import build_confidence_head, build_markov_head
-from dspark_server.models.layers import RMSNorm, RotaryEmbedding, SwiGLU, apply_rotary
+from dspark_server.models.drafter_layers import DraftLayer
+from dspark_server.models.layers import RMSNorm, RotaryEmbedding
 from dspark_server.models.paged_layout import PagedLayout
 from dspark_server.models.target import TargetModel
 
@@ -76,48 +79,6 @@ class DraftTrainOutput:
     prev_tokens: torch.Tensor  # [B, A, gamma] x_{k-1}: anchor token, then data tokens
 
 
-class DraftAttention(nn.Module):
-    def __init__(self, cfg: DraftConfig) -> None:
-        super().__init__()
-        self.num_heads, self.num_kv_heads, self.head_dim = (
-            cfg.num_attention_heads,
-            cfg.num_key_value_heads,
-            cfg.head_dim,
-        )
-        h, d, bias = cfg.hidden_size, cfg.head_dim, cfg.attention_bias
-        self.q_proj = nn.Linear(h, self.num_heads * d, bias=bias)
-        self.k_proj = nn.Linear(h, self.num_kv_heads * d, bias=bias)
-        self.v_proj = nn.Linear(h, self.num_kv_heads * d, bias=bias)
-        self.o_proj = nn.Linear(self.num_heads * d, h, bias=bias)
-        self.q_norm = RMSNorm(d, cfg.rms_norm_eps)
-        self.k_norm = RMSNorm(d, cfg.rms_norm_eps)
-
-    def kv(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """x [T, H] -> rotated, normed k [T, Hkv, D] and v [T, Hkv, D]."""
-        t = x.shape[0]
-        k = self.k_norm(self.k_proj(x).view(t, self.num_kv_heads, self.head_dim))
-        return apply_rotary(k, cos, sin), self.v_proj(x).view(t, self.num_kv_heads, self.head_dim)
-
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attend: Attend) -> torch.Tensor:
-        t = x.shape[0]
-        q = apply_rotary(self.q_norm(self.q_proj(x).view(t, self.num_heads, self.head_dim)), cos, sin)
-        k, v = self.kv(x, cos, sin)
-        return self.o_proj(attend(q, k, v).reshape(t, self.num_heads * self.head_dim))
-
-
-class DraftLayer(nn.Module):
-    def __init__(self, cfg: DraftConfig) -> None:
-        super().__init__()
-        self.self_attn = DraftAttention(cfg)
-        self.mlp = SwiGLU(cfg.hidden_size, cfg.intermediate_size)
-        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attend: Attend) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, attend)
-        return x + self.mlp(self.post_attention_layernorm(x))
-
-
 class DSparkDrafter(nn.Module):
     def __init__(self, cfg: DraftConfig, target: TargetModel) -> None:
         super().__init__()
@@ -146,6 +107,22 @@ class DSparkDrafter(nn.Module):
         self.markov_head = build_markov_head(cfg)
         self.confidence_head = build_confidence_head(cfg)
         self.rotary_emb = RotaryEmbedding(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling)
+        self._kernels: ctypes.CDLL | None = None  # use_kernels
+
+    def fuse_projections(self) -> None:
+        """Serving: fused q/k/v and gate/up GEMMs in every layer (names and values unchanged)."""
+        for layer in cast("list[DraftLayer]", self.layers):
+            layer.fuse()
+
+    def use_kernels(self, lib: ctypes.CDLL | None) -> None:
+        """Serve with the fused element-wise kernels of ``lib`` (after ``fuse_projections``), or
+        with the PyTorch ops (None)."""
+        self._kernels = lib
+
+    def _kernels_for(self, x: torch.Tensor, pool: KVPool) -> ctypes.CDLL | None:
+        fused = cast("DraftLayer", self.layers[0]).self_attn._qkv is not None
+        usable = fused and not torch.is_grad_enabled() and layer_ops.supports(x) and pool.k.dtype == x.dtype
+        return self._kernels if usable else None
 
     @property
     def gamma(self) -> int:
@@ -187,9 +164,18 @@ class DSparkDrafter(nn.Module):
         features [T, n_layers * H] (``TargetOutput.hidden`` rows), positions [T], slots [T]: the
         slots of those positions in the shared page table.
         """
-        ctx = self.project_context(features)
+        layers = cast("list[DraftLayer]", self.layers)
+        x = self.fc(features.to(self.fc.weight.dtype))
+        lib = self._kernels_for(x, pool)
+        if lib is not None:
+            norm, inv_freq = self.hidden_norm, self.rotary_emb.inv_freq.float()
+            ctx = layer_ops.rms_norm(lib, x, norm.weight, norm.eps)[0]
+            for i, layer in enumerate(layers):
+                layer.self_attn.kv_kernels(lib, ctx, positions, inv_freq, slots, (pool.k[i], pool.v[i]))
+            return
+        ctx = self.hidden_norm(x)
         cos, sin = self.rotary_emb.cos_sin(positions, ctx.dtype)
-        for i, layer in enumerate(cast("list[DraftLayer]", self.layers)):
+        for i, layer in enumerate(layers):
             k, v = layer.self_attn.kv(ctx, cos, sin)
             pool.k[i].index_copy_(0, slots, k.to(pool.k.dtype))
             pool.v[i].index_copy_(0, slots, v.to(pool.v.dtype))
@@ -205,16 +191,24 @@ class DSparkDrafter(nn.Module):
         ids[:, 0] = anchor_tokens
         pos = (anchor_positions.long()[:, None] + torch.arange(g)).reshape(-1)
         x = self.embed(ids.reshape(-1))
-        cos, sin = self.rotary_emb.cos_sin(pos, x.dtype)
         hq, hkv, d = self.config.num_attention_heads, self.config.num_key_value_heads, self.config.head_dim
         if resolve_impl(pool.impl, x.dtype, pool.k[0], hq) == "gather":
             attends = gather_attends(pool, ctx.slots, ctx.lens, r, g, (hq, hkv, d), len(self.layers))
         else:
             layout = PagedLayout.blocks(ctx.slots, ctx.lens, g)
             attends = [paged_block_attend(pool, i, layout) for i in range(len(self.layers))]
-        for layer, attend in zip(self.layers, attends, strict=True):
-            x = layer(x, cos, sin, attend)
-        h = self.norm(x).view(r, g, -1)
+        layers = cast("list[DraftLayer]", self.layers)
+        lib = self._kernels_for(x, pool)
+        if lib is not None:
+            inv_freq = self.rotary_emb.inv_freq.float()
+            for layer, attend in zip(layers, attends, strict=True):
+                x = layer.forward_kernels(lib, x, pos, inv_freq, attend)
+            h = layer_ops.rms_norm(lib, x, self.norm.weight, self.norm.eps)[0].view(r, g, -1)
+        else:
+            cos, sin = self.rotary_emb.cos_sin(pos, x.dtype)
+            for layer, attend in zip(layers, attends, strict=True):
+                x = layer(x, cos, sin, attend)
+            h = self.norm(x).view(r, g, -1)
         return DraftBlock(hidden=h, logits=self.base_logits(h))
 
     def init_head_state(self, hidden: torch.Tensor) -> torch.Tensor | None:

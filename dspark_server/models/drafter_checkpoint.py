@@ -87,6 +87,7 @@ def load_drafter(
     load_state(drafter, tensors, ignore=IGNORED_PREFIXES)
     drafter.eval()
     drafter.requires_grad_(False)
+    drafter.fuse_projections()
     for module in drafter.modules():
         if isinstance(module, nn.Linear):
             serving_layout_(module)  # faster small-M GEMMs; values unchanged

@@ -2,13 +2,16 @@
 
 from __future__ import annotations
 
+import ctypes
 import math
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from dspark_server.config import RopeScaling
+from dspark_server.models import layer_ops
 
 
 class RMSNorm(nn.Module):
@@ -114,3 +117,29 @@ class SwiGLU(nn.Module):
             gate, up = F.linear(x, *self._gate_up).chunk(2, dim=-1)
             return self.down_proj(F.silu(gate) * up)
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+    def forward_kernels(self, lib: ctypes.CDLL, x: torch.Tensor) -> torch.Tensor:
+        """``forward`` (fused) with silu(gate) * up as one kernel call."""
+        assert self._gate_up is not None, "call fuse() first"
+        return self.down_proj(layer_ops.silu_mul(lib, F.linear(x, *self._gate_up)))
+
+
+def qk_norm_weight(q_norm: RMSNorm, k_norm: RMSNorm, num_heads: int, num_kv_heads: int) -> torch.Tensor:
+    """[Hq + Hkv, D]: the q norm's weight for every q head, then the k norm's for every k head
+    (the fused q/k kernel's layout)."""
+    return torch.cat([q_norm.weight.data.expand(num_heads, -1), k_norm.weight.data.expand(num_kv_heads, -1)])
+
+
+def residual_layer_kernels(
+    lib: ctypes.CDLL,
+    x: torch.Tensor,
+    input_norm: RMSNorm,
+    attention: Callable[[torch.Tensor], torch.Tensor],
+    post_norm: RMSNorm,
+    mlp: SwiGLU,
+) -> torch.Tensor:
+    """A pre-norm decoder layer, x + attn(norm(x)) then + mlp(norm(.)), with its norms, residual
+    add and SwiGLU product as fused kernel calls (same arithmetic and rounding as PyTorch's)."""
+    h = layer_ops.rms_norm(lib, x, input_norm.weight, input_norm.eps)[0]
+    h, x = layer_ops.rms_norm(lib, x, post_norm.weight, post_norm.eps, delta=attention(h))
+    return x + mlp.forward_kernels(lib, h)

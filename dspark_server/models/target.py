@@ -23,6 +23,8 @@ from dspark_server.models.layers import (
     SwiGLU,
     apply_rotary,
     fuse_linears,
+    qk_norm_weight,
+    residual_layer_kernels,
     serving_layout_,
 )
 
@@ -57,12 +59,7 @@ class SelfAttention(nn.Module):
         q and k normalised and rotated as one tensor."""
         self._qkv = fuse_linears(self.q_proj, self.k_proj, self.v_proj)
         if self.qk_norm:  # both norms are built with the config's one rms_norm_eps
-            self._qk_norm_weight = torch.cat(
-                [
-                    self.q_norm.weight.data.expand(self.num_heads, -1),
-                    self.k_norm.weight.data.expand(self.num_kv_heads, -1),
-                ]
-            )
+            self._qk_norm_weight = qk_norm_weight(self.q_norm, self.k_norm, self.num_heads, self.num_kv_heads)
 
     def _fused_qkv(
         self,
@@ -147,15 +144,13 @@ class DecoderLayer(nn.Module):
         layer: int,
         attn: PagedAttention,
     ) -> torch.Tensor:
-        """``forward`` with the element-wise steps as fused kernel calls (norm, residual add +
-        norm, silu * up); same arithmetic and rounding."""
-        norm_in, norm_post = self.input_layernorm, self.post_attention_layernorm
-        h = layer_ops.rms_norm(lib, x, norm_in.weight, norm_in.eps)[0]
-        a = self.self_attn.forward_kernels(lib, h, positions, inv_freq, layer, attn)
-        h, x = layer_ops.rms_norm(lib, x, norm_post.weight, norm_post.eps, delta=a)
-        assert self.mlp._gate_up is not None
-        gate_up = F.linear(h, *self.mlp._gate_up)
-        return x + self.mlp.down_proj(layer_ops.silu_mul(lib, gate_up))
+        """``forward`` with the element-wise steps as fused kernel calls."""
+
+        def attention(h: torch.Tensor) -> torch.Tensor:
+            return self.self_attn.forward_kernels(lib, h, positions, inv_freq, layer, attn)
+
+        norms = self.input_layernorm, self.post_attention_layernorm
+        return residual_layer_kernels(lib, x, norms[0], attention, norms[1], self.mlp)
 
 
 class DecoderStack(nn.Module):

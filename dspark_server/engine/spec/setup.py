@@ -18,6 +18,7 @@ from dspark_server.engine.spec.decoder import SpeculativeDecoder
 from dspark_server.engine.spec.draft_gate import DraftGate
 from dspark_server.engine.spec.step_overhead import StepOverhead
 from dspark_server.models.drafter_checkpoint import load_drafter
+from dspark_server.models.kernel_library import load_library
 from dspark_server.planner import (
     CalibrationDriftTracker,
     CalibrationSet,
@@ -41,6 +42,7 @@ def build_speculative(cfg: EngineConfig, runner: ModelRunner) -> SpeculativeDeco
     assert cfg.draft_dir is not None
     spec = cfg.spec
     drafter = load_drafter(cfg.draft_dir, runner.target, runner.dtype)
+    drafter.use_kernels(load_library() if cfg.layer_kernels else None)
     gamma = spec.gamma or drafter.gamma
     pool = drafter.new_kv_pool(runner.allocator.num_slots, runner.dtype, impl=cfg.attention_impl)
     table = resolve_sps_table(cfg, runner) if spec.mode == "dspark" else None
