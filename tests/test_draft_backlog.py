@@ -78,7 +78,8 @@ def test_deferred_context_drafts_exactly_what_immediate_writes_draft(
 ) -> None:
     _, eager_tokens, eager_logits, eager_out, eager_most = _run(pair, 1, pattern)
     _, lazy_tokens, lazy_logits, lazy_out, lazy_most = _run(pair, 64, pattern)
-    assert eager_most == 0 and lazy_most == len(pattern) - 1  # the lazy run did defer
+    # the lazy run did defer: the plain steps between drafting steps, and the first (prefill) step
+    assert eager_most == 0 and len(pattern) - 1 <= lazy_most <= len(pattern)
     assert len(lazy_tokens) == len(eager_tokens) > 4
     for a, b in zip(lazy_tokens, eager_tokens, strict=True):
         assert torch.equal(a, b)
@@ -97,3 +98,48 @@ def test_backlog_is_bounded_and_drafting_after_a_long_plain_run_still_matches(
     assert all(torch.equal(a, b) for a, b in zip(lazy_tokens, eager_tokens, strict=True))
     alloc = engine.scheduler.allocator
     assert alloc.free_pages == alloc.capacity_pages  # nothing leaked
+
+
+def test_take_writes_running_requests_computed_positions_only() -> None:
+    """Rows of a finished request are dropped; a running request's rows are written for the
+    positions it has computed (a prefill chunk's too), each at the slot that position holds."""
+    from dspark_server.engine.kv_cache import PageAllocator
+    from dspark_server.engine.request import Request, Status
+    from dspark_server.engine.spec.deferred_context import DeferredContext, Run
+
+    alloc = PageAllocator(num_pages=16, page_size=4)
+
+    def request(name: str, length: int, status: Status) -> Request:
+        r = Request(name, [1, 2, 3], SamplingParams(max_tokens=4), lambda _o: None, status=status)
+        assert alloc.reserve(r.table, length)
+        r.table.length = length
+        return r
+
+    decoding = request("a", 10, Status.RUNNING)
+    finished = request("b", 6, Status.FINISHED)
+    prefilling = request("c", 3, Status.RUNNING)  # a 6-token chunk deferred, 3 positions computed
+    deferred = DeferredContext()
+    features = torch.arange(8.0)[:, None].repeat(1, 5)  # row i holds i
+    runs = [Run(decoding, 8), Run(finished, 5), Run(prefilling, 0, 6)]
+    assert not deferred.defer(runs, features)
+    writes = deferred.take(alloc)
+    assert writes is not None and len(deferred) == 0
+    assert writes.features[:, 0].tolist() == [0.0, 2.0, 3.0, 4.0]
+    assert writes.positions.tolist() == [8, 0, 1, 2]
+    expect = [alloc.slots(decoding.table, 8, 9), alloc.slots(prefilling.table, 0, 3)]
+    assert writes.slots.tolist() == torch.cat(expect).tolist()
+    assert deferred.take(alloc) is None  # emptied
+
+
+def test_steps_whose_requests_all_left_are_dropped_when_deferring() -> None:
+    from dspark_server.engine.request import Request, Status
+    from dspark_server.engine.spec.deferred_context import DeferredContext, Run
+
+    a = Request("a", [1], SamplingParams(max_tokens=4), lambda _o: None, status=Status.RUNNING)
+    b = Request("b", [1], SamplingParams(max_tokens=4), lambda _o: None, status=Status.RUNNING)
+    deferred = DeferredContext()
+    deferred.defer([Run(a, 0)], torch.zeros(1, 4))
+    deferred.defer([Run(b, 0)], torch.zeros(1, 4))
+    a.status = Status.FINISHED
+    deferred.defer([Run(b, 1)], torch.zeros(1, 4))
+    assert len(deferred) == 2  # a's step went; b's two stay

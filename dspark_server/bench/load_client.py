@@ -51,10 +51,25 @@ def chat_payload(prompt: str, cfg: ServingConfig, index: int) -> dict[str, Any]:
     return body
 
 
+def completion_payload(prompt_ids: list[int], cfg: ServingConfig, index: int) -> dict[str, Any]:
+    """A streamed /v1/completions request of token ids: every server gets the same input tokens
+    (e.g. the llama.cpp peer, whose own chat template and tokenizer could differ)."""
+    body = chat_payload("", cfg, index)
+    del body["messages"]
+    body["prompt"] = prompt_ids
+    return body
+
+
+def endpoint_of(payload: dict[str, Any]) -> str:
+    """The OpenAI endpoint a payload is for: chat (messages) or completions (prompt)."""
+    return "/v1/chat/completions" if "messages" in payload else "/v1/completions"
+
+
 async def send_request(
     client: Any, base_url: str, payload: dict[str, Any], index: int, headers: dict[str, str] | None = None
 ) -> RequestResult:
-    """POST one streaming chat completion; timestamps every SSE chunk as it arrives."""
+    """POST one streaming chat completion (or completion, for a ``prompt`` payload); timestamps
+    every SSE chunk as it arrives."""
     import httpx
 
     res = RequestResult(index=index, start=time.perf_counter())
@@ -62,7 +77,7 @@ async def send_request(
     done = usage_seen = False
     try:
         async with client.stream(
-            "POST", f"{base_url}/v1/chat/completions", json=payload, headers=headers
+            "POST", base_url + endpoint_of(payload), json=payload, headers=headers
         ) as resp:
             res.status = resp.status_code
             if resp.status_code != 200:
@@ -91,7 +106,7 @@ async def send_request(
                 for choice in chunk.get("choices") or ():
                     if res.ttft is None:  # the first chunk (role) is sent with the first token
                         res.ttft = now - res.start
-                    if choice.get("delta", {}).get("content"):
+                    if (choice.get("delta") or {}).get("content") or choice.get("text"):
                         res.chunks += 1
                         if last_content is not None:
                             res.itl.append(now - last_content)

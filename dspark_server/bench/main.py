@@ -3,7 +3,8 @@ build its parser); each suite imports torch / httpx / transformers only when it 
 
 Suites (--suite):
   serving          TPS / latency / acceptance vs concurrency, modes side by side (default)
-  peers            transformers generate() (plain, assisted, prompt lookup) vs our engine, concurrency 1
+  peers            transformers generate() (plain, assisted, prompt lookup) vs our engine, concurrency 1;
+                   with --llama-server: llama.cpp's server (plain, DSpark) vs ours at --concurrency
   oracle           record full-γ rounds, replay them through the planners and an oracle
 
 The paper's figures and the docs page are repository tools, in a source checkout:
@@ -107,6 +108,22 @@ def add_bench_args(p: argparse.ArgumentParser, suites: tuple[str, ...] = SUITES)
         help="oracle / threshold-sweep: requests in flight while recording full-γ rounds",
     )
     g.add_argument("--rounds-file", default=None, help="oracle: replay a recorded rounds.json")
+    g.add_argument(
+        "--llama-server",
+        default=None,
+        help="peers: llama.cpp's llama-server binary; compares our servers with it at --concurrency "
+        "(plain, and DSpark with the drafter) instead of transformers",
+    )
+    g.add_argument(
+        "--llama-converter",
+        default=None,
+        help="peers: llama.cpp's convert_hf_to_gguf.py (default: the one of the binary's source tree)",
+    )
+    g.add_argument(
+        "--llama-pre-tokenizer",
+        default="qwen2",
+        help="peers: BPE pre-tokenizer the GGUF converter is told the tokenizer uses",
+    )
 
 
 def _prompt_files(a: argparse.Namespace) -> list[str]:
@@ -175,6 +192,23 @@ def _dispatch(a: argparse.Namespace) -> None:
         result = run_serving(cfg)
         print(serving_markdown(result))
         print(f"wrote {cfg.out}/results.json", file=sys.stderr)
+    elif suite == "peers" and a.llama_server:
+        from dspark_server.bench.llama_cpp import LlamaPeerConfig, run_llama_peers
+        from dspark_server.bench.serving import server_args_from_namespace
+
+        concurrency = tuple(split_ints(a.concurrency))
+        run_llama_peers(
+            LlamaPeerConfig(
+                suite=suite_config(a, "peers"),
+                server_binary=a.llama_server,
+                converter=a.llama_converter,
+                pre_tokenizer=a.llama_pre_tokenizer,
+                concurrency=concurrency,
+                modes=_spec_modes(a.modes, ("off", "dspark")),
+                server_args=tuple(server_args_from_namespace(a, max(concurrency))),
+                warmup_requests=a.warmup,
+            )
+        )
     elif suite == "peers":
         from dspark_server.bench.peers import PeersConfig, run_peers
 

@@ -29,7 +29,7 @@ from dspark_server.engine.model_runner import ForwardResult, ModelRunner
 from dspark_server.engine.request import Request
 from dspark_server.engine.sampling import SamplingTensors, sample_from_logits, shape_probs
 from dspark_server.engine.scheduler import ScheduledChunk
-from dspark_server.engine.spec.deferred_context import DeferredContext
+from dspark_server.engine.spec.deferred_context import DeferredContext, Run
 from dspark_server.engine.spec.draft_gate import DraftGate
 from dspark_server.engine.spec.drafting import Drafts, sample_drafts
 from dspark_server.engine.spec.rounds import RoundRecord
@@ -143,18 +143,19 @@ class SpeculativeDecoder:
         prefills: list[ScheduledChunk],
         forward: ForwardResult,
     ) -> None:
-        """After a plain step's forward (features captured): the decodes' drafter-context writes
-        are put off (``deferred``, so that a plain step in dspark mode costs what a plain step
-        costs), the prefill chunks' written now."""
+        """After a plain step's forward (features captured): its drafter-context writes, the
+        decodes' and the prefill chunks', are put off (``deferred``), so that a plain step in
+        dspark mode costs what a plain step costs."""
         self.last_verify_lens = [0] * len(decodes)
         if self.live_sps is not None and decodes and not prefills:
             self.live_sps.record(forward.batch.num_tokens, forward.seconds)
         hidden = forward.output.hidden
         assert hidden is not None
-        # one token per decode: rows 0..R-1, copied so the rest of the forward's tensors can go
-        if decodes and self.deferred.defer(decodes, positions, hidden[: len(decodes)].clone()):
-            self._catch_up(alloc, decodes)  # the buffer is full
-        self._write_context(alloc, forward, self._prefill_rows(forward, len(decodes), prefills))
+        # the forward packed one token per decode, then the prefill chunks: its rows in run order
+        runs = [Run(r, p) for r, p in zip(decodes, positions, strict=True)]
+        runs += [Run(c.request, c.start, c.num_tokens) for c in prefills]
+        if runs and self.deferred.defer(runs, hidden):
+            self._catch_up(alloc)  # the buffer is full
 
     @torch.inference_mode()
     def step(
@@ -173,7 +174,7 @@ class SpeculativeDecoder:
         sampling = SamplingTensors.from_params([r.params for r in decodes])
         prefill_tokens = sum(c.num_tokens for c in prefills)
         anchor_pos = [r.num_computed for r in decodes]
-        self._catch_up(runner.allocator, decodes)
+        self._catch_up(runner.allocator)
         drafts = self._draft(runner.allocator, decodes, anchor_pos, sampling)
         draft_s = time.perf_counter() - t_start
         plan = self._plan(decodes, drafts, sampling, draft_s, max_draft_tokens, prefill_tokens)
@@ -398,10 +399,10 @@ class SpeculativeDecoder:
         slots = torch.cat([alloc.slots(r.table, r.position, r.position + r.count) for r in rows])
         self.drafter.write_context(hidden[packed], positions, slots, self.pool)
 
-    def _catch_up(self, alloc: PageAllocator, decodes: list[Request]) -> None:
+    def _catch_up(self, alloc: PageAllocator) -> None:
         """Write the drafter context that steps without drafting put off (before drafting
         reads it)."""
-        writes = self.deferred.take(alloc, decodes)
+        writes = self.deferred.take(alloc)
         if writes is not None:
             self.drafter.write_context(writes.features, writes.positions, writes.slots, self.pool)
 

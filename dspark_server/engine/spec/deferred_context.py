@@ -3,13 +3,15 @@
 Drafting reads, for every committed position, K/V that the drafter computes from the target's
 captured features (``DSparkDrafter.write_context``). A step that does not draft (the draft gate
 chose plain) still captures those features, but writing them would make a plain step in dspark
-mode cost more than a plain step. So such a step only keeps its decoding requests' feature rows
-here, one tensor per step; the next drafting step (or the step that fills the buffer) takes
-them all and writes them in one call.
+mode cost more than a plain step. So such a step only keeps its feature rows here — its decoding
+requests' new tokens and its prefill chunks, one tensor per step; the next drafting step (or the
+step that fills the buffer) takes them all and writes them in one call.
 
-Rows of requests that are no longer decoding when the writes are taken are dropped: a finished
-request's slots may already belong to another request, and a preempted one recomputes its
-context with its prompt.
+Rows are written only for requests still running, and only for positions they have computed: a
+finished request's slots may already belong to another request, and a preempted one recomputes
+its context with its prompt (its rows, when it runs again, hold the same features). At high load,
+where the gate rarely drafts, most requests finish before their rows would be written, and the
+writes of their prompts and tokens are never paid for.
 """
 
 from __future__ import annotations
@@ -20,14 +22,22 @@ from dataclasses import dataclass
 import torch
 
 from dspark_server.engine.kv_cache import PageAllocator
-from dspark_server.engine.request import Request
+from dspark_server.engine.request import Request, Status
+
+
+@dataclass(frozen=True)
+class Run:
+    """``count`` new tokens of one request at positions ``start..``: consecutive feature rows."""
+
+    request: Request
+    start: int
+    count: int = 1
 
 
 @dataclass(frozen=True)
 class _DeferredStep:
-    requests: list[Request]
-    positions: list[int]
-    features: torch.Tensor  # [R, F], row r: the feature of requests[r]'s token at positions[r]
+    runs: list[Run]
+    features: torch.Tensor  # [N, F]: the runs' rows, in order
 
 
 @dataclass(frozen=True)
@@ -54,35 +64,35 @@ class DeferredContext:
         """Steps whose writes are pending."""
         return len(self._steps)
 
-    def defer(self, requests: Sequence[Request], positions: Sequence[int], features: torch.Tensor) -> bool:
-        """Keep one step's rows (each request committed one token, at ``positions``). True: the
-        buffer is full, take the writes now."""
-        live = {id(r) for r in requests}  # every decoding request is in every step
-        while self._steps and not any(id(r) in live for r in self._steps[0].requests):
+    def defer(self, runs: Sequence[Run], features: torch.Tensor) -> bool:
+        """Keep one step's rows (``features`` [sum of counts, F], the runs' rows in order). True:
+        the buffer is full, take the writes now."""
+        while self._steps and not any(r.request.status is Status.RUNNING for r in self._steps[0].runs):
             gone = self._steps.pop(0)  # its requests all left: nothing of it will be written
             self._bytes -= gone.features.numel() * gone.features.element_size()
-        self._steps.append(_DeferredStep(list(requests), list(positions), features))
+        self._steps.append(_DeferredStep(list(runs), features))
         self._bytes += features.numel() * features.element_size()
         return len(self._steps) >= self.max_steps or self._bytes >= self.max_bytes
 
-    def take(self, alloc: PageAllocator, live: Sequence[Request]) -> ContextWrites | None:
-        """Every pending write of the ``live`` requests (the step's decoding requests), with the
-        slots their positions hold now; the rest is dropped, and the buffer emptied."""
+    def take(self, alloc: PageAllocator) -> ContextWrites | None:
+        """Every pending write of requests still running, for positions they have computed, with
+        the slots those positions hold now; the rest is dropped, and the buffer emptied."""
         steps, self._steps, self._bytes = self._steps, [], 0
-        wanted = {id(r) for r in live}
-        picked: dict[int, tuple[Request, list[int], list[int]]] = {}  # request -> rows, positions
+        picked: dict[int, tuple[Request, list[torch.Tensor], list[torch.Tensor]]] = {}
         base = 0
         for step in steps:
-            for j, (req, pos) in enumerate(zip(step.requests, step.positions, strict=True)):
-                if id(req) in wanted:
+            for run in step.runs:
+                req = run.request
+                keep = min(run.count, req.num_computed - run.start) if req.status is Status.RUNNING else 0
+                if keep > 0:
                     _, rows, positions = picked.setdefault(id(req), (req, [], []))
-                    rows.append(base + j)
-                    positions.append(pos)
-            base += len(step.requests)
+                    rows.append(torch.arange(base, base + keep))
+                    positions.append(torch.arange(run.start, run.start + keep))
+                base += run.count
         if not picked:
             return None
-        index = torch.tensor([i for _, rows, _ in picked.values() for i in rows])
-        where = [(req, torch.tensor(positions)) for req, _, positions in picked.values()]
+        index = torch.cat([i for _, rows, _ in picked.values() for i in rows])
+        where = [(req, torch.cat(positions)) for req, _, positions in picked.values()]
         return ContextWrites(
             torch.cat([s.features for s in steps])[index],
             torch.cat([w for _, w in where]),
