@@ -105,7 +105,8 @@ def test_peer_run_against_a_real_llama_server(tmp_path: Path) -> None:
     prompts = tmp_path / "p.jsonl"
     prompts.write_text("".join(json.dumps({"turns": [t]}) + "\n" for t in ("def add(a, b):", "Hello there")))
     out = tmp_path / "out"
-    args = ["--suite", "peers", "--llama-server", str(LLAMA), "--prompts", str(prompts), "--concurrency", "1,2"]
+    args = ["--suite", "peers", "--llama-server", str(LLAMA), "--prompts", str(prompts)]
+    args += ["--concurrency", "1,2"]
     args += ["--max-tokens", "8", "--ignore-eos", "--quiet", "--no-plots", "--out", str(out)]
     assert bench_main(args) == 0
     result = json.loads((out / "llama_cpp.json").read_text())

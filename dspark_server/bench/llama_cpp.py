@@ -179,6 +179,7 @@ async def _run(cfg: LlamaPeerConfig) -> dict[str, Any]:
     from dspark_server.models.tokenizer import Tokenizer
 
     a = cfg.suite
+    logging.getLogger("httpx").setLevel(logging.WARNING)  # one INFO line per request otherwise
     out = Path(a.out)
     sets = load_prompt_sets(a.prompt_files, a.limit)
     tokenizer = Tokenizer(a.engine.model_dir)

@@ -70,6 +70,9 @@ class SpecStepResult:
     # per request, 1 + the calibrated survival summed over its verified positions: the tokens
     # the plan expects it to emit (dspark mode; a far less noisy forecast than the tokens kept)
     expected_tokens: list[float] | None = None
+    # writing the drafter context earlier plain steps put off (part of draft_seconds): the
+    # switch from plain steps to drafting, not what a drafting step costs in a run of them
+    catch_up_seconds: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -175,6 +178,7 @@ class SpeculativeDecoder:
         prefill_tokens = sum(c.num_tokens for c in prefills)
         anchor_pos = [r.num_computed for r in decodes]
         self._catch_up(runner.allocator)
+        catch_up_s = time.perf_counter() - t_start
         drafts = self._draft(runner.allocator, decodes, anchor_pos, sampling)
         draft_s = time.perf_counter() - t_start
         plan = self._plan(decodes, drafts, sampling, draft_s, max_draft_tokens, prefill_tokens)
@@ -200,21 +204,23 @@ class SpeculativeDecoder:
             admitted = torch.arange(plan.survival.shape[1])[None, :] < torch.tensor(plan.lens)[:, None]
             expected = (1.0 + (plan.survival * admitted).sum(dim=1)).tolist()
         return SpecStepResult(
-            emitted, forward, rows, draft_s, prefill_tokens, plan.predicted_seconds, expected
+            emitted, forward, rows, draft_s, prefill_tokens, plan.predicted_seconds, expected, catch_up_s
         )
 
     def record(self, result: SpecStepResult, kept: Sequence[int], step_seconds: float) -> None:
         """After the engine committed ``result`` (``kept``: the tokens each request kept): teach
         the gate and the overhead estimate."""
         forecast = kept if result.expected_tokens is None else result.expected_tokens
-        self._learn(
+        catch_up = result.catch_up_seconds  # priced as the steady cost of drafting, it would keep
+        self._learn(  # the gate on plain steps, whose put-off writes then grow the next catch-up
             [d.request for d in result.decodes],
             True,
             forecast,
             result.forward,
             result.prefill_tokens,
-            result.draft_seconds,
-            step_seconds,
+            result.draft_seconds - catch_up,
+            step_seconds - catch_up,
+            catch_up,
         )
 
     def record_plain(
@@ -232,6 +238,7 @@ class SpeculativeDecoder:
         prefill_tokens: int,
         draft_seconds: float,
         step_seconds: float,
+        switch_seconds: float = 0.0,
     ) -> None:
         if not decodes:
             return
@@ -241,7 +248,7 @@ class SpeculativeDecoder:
         prefill_s = forward.seconds * prefill_tokens / max(1, forward.batch.num_tokens)
         step_s = step_seconds - prefill_s
         if self.gate is not None:
-            self.gate.record([r.request_id for r in decodes], drafted, tokens, step_s)
+            self.gate.record([r.request_id for r in decodes], drafted, tokens, step_s, switch_seconds)
         if self.overhead is not None:
             self.overhead.record(len(decodes), step_s, forward.seconds - prefill_s, draft_seconds)
 

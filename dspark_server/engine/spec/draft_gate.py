@@ -19,9 +19,12 @@ not switch drafting off for the easy ones after it, nor one easy request hide a 
 Each bucket first measures both step kinds alike (``min_samples`` each), unless a neighbouring
 bucket is measured already: then it starts from that one's estimates. After that the slower
 choice is explored now and then so its forecast stays current: at most ``max_explore_overhead`` of
-the bucket's time when the two are far apart, never less often than every
-``max_explore_interval`` steps (a forecast must not freeze on the requests of long ago) and never
-more often than every ``explore_every`` steps.
+the time when the two are far apart, never less often than every ``max_explore_interval`` steps
+(a forecast must not freeze on the requests of long ago) and never more often than every
+``explore_every`` steps. A drafting step's time leaves out its catch-up of the context writes
+earlier plain steps put off: that is the price of switching, and counting it as the price of
+drafting would keep the gate on plain steps, whose growing backlog would make the next catch-up
+dearer still.
 
 The decision depends on past steps only, never on the tokens about to be drafted, so skipping a
 draft changes speed, not the output distribution.
@@ -53,6 +56,7 @@ class _Bucket:
     draft_seconds: _Mean = field(default_factory=_Mean)
     plain_seconds: _Mean = field(default_factory=_Mean)
     tokens_per_request: _Mean = field(default_factory=_Mean)  # in drafting steps: the prior
+    switch_seconds: _Mean = field(default_factory=_Mean)  # catch-up of a drafting step after plain ones
     since_explore: int = 0
 
     def measured(self, min_samples: int) -> bool:
@@ -64,7 +68,7 @@ class DraftGate:
     def __init__(
         self,
         explore_every: int = 4,
-        max_explore_interval: int = 256,
+        max_explore_interval: int = 1024,
         smoothing: float = 0.05,
         request_smoothing: float = 0.5,
         max_explore_overhead: float = 0.02,
@@ -138,8 +142,9 @@ class DraftGate:
         if draft_best:
             lost = b.plain_seconds.value * (1.0 - plain_rate / draft_rate)
             best_seconds = b.draft_seconds.value
-        else:
-            lost = b.draft_seconds.value * (1.0 - draft_rate / plain_rate)
+        else:  # exploring a drafting step also pays the catch-up of the plain steps before it
+            switch = b.switch_seconds.value if b.switch_seconds.count else 0.0
+            lost = b.draft_seconds.value * (1.0 - draft_rate / plain_rate) + switch
             best_seconds = b.plain_seconds.value
         b.since_explore += 1
         if b.since_explore >= self.explore_interval(lost, best_seconds):
@@ -148,11 +153,17 @@ class DraftGate:
         return draft_best
 
     def record(
-        self, request_ids: Sequence[str], drafted: bool, tokens: Sequence[float], seconds: float
+        self,
+        request_ids: Sequence[str],
+        drafted: bool,
+        tokens: Sequence[float],
+        seconds: float,
+        switch_seconds: float = 0.0,
     ) -> None:
         """A finished step: its requests, whether it drafted, the tokens each request emitted
         (or, better, the plan's calibrated expectation of them: far less noisy than one draw),
-        and its time (the decoding share of it)."""
+        its time (the decoding share of it, without the catch-up) and, for a drafting step, the
+        catch-up of the context writes earlier plain steps put off."""
         if seconds <= 0 or not math.isfinite(seconds) or not request_ids:
             return
         b = self._bucket(len(request_ids))
@@ -160,6 +171,8 @@ class DraftGate:
             b.plain_seconds.update(seconds, self.smoothing)
             return
         b.draft_seconds.update(seconds, self.smoothing)
+        if switch_seconds > 0 and math.isfinite(switch_seconds):
+            b.switch_seconds.update(switch_seconds, self.smoothing)
         b.tokens_per_request.update(sum(tokens) / len(tokens), self.smoothing)
         self._prior.update(sum(tokens) / len(tokens), self.smoothing)
         w = self.request_smoothing
