@@ -68,6 +68,7 @@ class LlamaPeerConfig:
     server_binary: str
     converter: str | None = None  # None: convert_hf_to_gguf.py of the binary's source tree
     pre_tokenizer: str = "qwen2"
+    outtype: str = "f32"  # GGUF weight type (f32, bf16, f16, q8_0): match --dtype for a like-for-like run
     concurrency: tuple[int, ...] = (1, 16, 64)
     modes: tuple[str, ...] = ("off", "dspark")
     server_args: tuple[str, ...] = ()  # flags for our `dspark serve`
@@ -140,12 +141,11 @@ def _systems(cfg: LlamaPeerConfig, out: Path) -> dict[str, ManagedServer | Llama
     eng = cfg.suite.engine
     converter = Path(cfg.converter) if cfg.converter else find_converter(cfg.server_binary)
     gguf_dir = out / "gguf"
-    target = convert_to_gguf(eng.model_dir, gguf_dir, converter, cfg.pre_tokenizer)
+    target = convert_to_gguf(eng.model_dir, gguf_dir, converter, cfg.pre_tokenizer, outtype=cfg.outtype)
     draft = gamma = None
     if eng.draft_dir is not None:
-        draft = convert_to_gguf(
-            eng.draft_dir, gguf_dir, converter, cfg.pre_tokenizer, target_dir=eng.model_dir
-        )
+        pre, kind, tgt = cfg.pre_tokenizer, cfg.outtype, eng.model_dir
+        draft = convert_to_gguf(eng.draft_dir, gguf_dir, converter, pre, target_dir=tgt, outtype=kind)
         gamma = eng.spec.gamma or read_draft_config(eng.draft_dir).gamma
     threads = eng.num_threads or len(os.sched_getaffinity(0))
     slots, ctx = max(cfg.concurrency), eng.max_model_len
@@ -263,6 +263,7 @@ async def _run(cfg: LlamaPeerConfig) -> dict[str, Any]:
             "draft": a.engine.draft_dir,
             "server_binary": cfg.server_binary,
             "pre_tokenizer": cfg.pre_tokenizer,
+            "gguf_type": cfg.outtype,
             "systems": names,
             "concurrency": list(cfg.concurrency),
             "prompt_sets": {ps.name: ps.path for ps in sets},
@@ -348,7 +349,8 @@ def llama_markdown(result: dict[str, Any]) -> str:
         "",
         f"{cfg['max_tokens']} output tokens per request (ignore_eos {cfg['ignore_eos']}), temperature "
         f"{cfg['temperature']}, {cfg['rounds']} round(s), median output tokens/s; llama.cpp's "
-        f"pre-tokenizer set to `{cfg['pre_tokenizer']}` for the conversion.",
+        f"pre-tokenizer set to `{cfg['pre_tokenizer']}` for the conversion, GGUF weights "
+        f"{cfg.get('gguf_type', 'f32')}.",
         "",
         "| prompts | c | " + " | ".join(names) + " | " + " | ".join(keys) + " |",
         "| --- | --- | " + " | ".join("---" for _ in names + keys) + " |",

@@ -120,6 +120,12 @@ def add_bench_args(p: argparse.ArgumentParser, suites: tuple[str, ...] = SUITES)
         help="peers: llama.cpp's convert_hf_to_gguf.py (default: the one of the binary's source tree)",
     )
     g.add_argument(
+        "--llama-outtype",
+        choices=("f32", "bf16", "f16", "q8_0"),
+        default="f32",
+        help="peers: GGUF weight type for llama.cpp (match --dtype for a like-for-like comparison)",
+    )
+    g.add_argument(
         "--llama-pre-tokenizer",
         default="qwen2",
         help="peers: BPE pre-tokenizer the GGUF converter is told the tokenizer uses",
@@ -203,6 +209,7 @@ def _dispatch(a: argparse.Namespace) -> None:
                 server_binary=a.llama_server,
                 converter=a.llama_converter,
                 pre_tokenizer=a.llama_pre_tokenizer,
+                outtype=a.llama_outtype,
                 concurrency=concurrency,
                 modes=_spec_modes(a.modes, ("off", "dspark")),
                 server_args=tuple(server_args_from_namespace(a, max(concurrency))),
