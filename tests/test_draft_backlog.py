@@ -25,7 +25,7 @@ class ScriptedGate(DraftGate):
         super().__init__()
         self._pattern = itertools.cycle(pattern)
 
-    def choose(self, request_ids: Sequence[str]) -> bool:
+    def choose(self, request_ids: Sequence[str], regimes: Sequence[float] | None = None) -> bool:
         return next(self._pattern)
 
 

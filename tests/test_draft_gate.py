@@ -111,3 +111,18 @@ def test_warm_up_measures_both_choices_before_one_slow_step_can_decide() -> None
     draft_rate, plain_rate = gate.rates()[DraftGate.bucket_of(1)]
     assert draft_rate == pytest.approx((11 / 3) / 0.020) and plain_rate == pytest.approx(1 / 0.007)
     assert gate.choose(["a"]) is True  # a's own forecast: 0.5 * (0.5 * prior + 0.5 * 1) ... ≈ 4
+
+
+def test_a_newcomer_starts_from_its_sampling_regimes_prior() -> None:
+    # greedy requests accept far more than sampled ones: after greedy traffic trained the load
+    # bucket's mean, a temperature-1 newcomer must start from what temperature-1 requests emitted
+    gate = DraftGate(min_samples=1, smoothing=1.0, request_smoothing=0.5)
+    gate.record(["g1", "g2"], True, [5.0, 5.0], 0.05, regimes=[0.0, 0.0])
+    gate.record(["s1", "s2"], True, [1.5, 1.5], 0.05, regimes=[1.0, 1.0])
+    assert gate.forecast_tokens(["new"], [1.0]) == pytest.approx(1.5)
+    assert gate.forecast_tokens(["new"], [0.0]) == pytest.approx(5.0)
+    # another load bucket with no samples of its own: the regime's prior at any load
+    assert gate.forecast_tokens([f"n{i}" for i in range(8)], [1.0] * 8) == pytest.approx(8 * 1.5)
+    # an unseen regime, or no regimes given: the bucket's mean of the last step
+    assert gate.forecast_tokens(["new"], [0.7]) == pytest.approx(1.5)
+    assert gate.forecast_tokens(["new"]) == pytest.approx(1.5)

@@ -136,7 +136,10 @@ class SpeculativeDecoder:
     def wants_draft(self, decodes: list[Request]) -> bool:
         """Whether this step drafts (the draft gate's choice; always, without a gate). Asked once
         per step: False sends the step down the engine's plain path, then ``keep_plain``."""
-        return bool(decodes) and (self.gate is None or self.gate.choose([r.request_id for r in decodes]))
+        if not decodes:
+            return False
+        regimes = [r.params.temperature for r in decodes]
+        return self.gate is None or self.gate.choose([r.request_id for r in decodes], regimes)
 
     def keep_plain(
         self,
@@ -248,7 +251,8 @@ class SpeculativeDecoder:
         prefill_s = forward.seconds * prefill_tokens / max(1, forward.batch.num_tokens)
         step_s = step_seconds - prefill_s
         if self.gate is not None:
-            self.gate.record([r.request_id for r in decodes], drafted, tokens, step_s, switch_seconds)
+            ids, regimes = [r.request_id for r in decodes], [r.params.temperature for r in decodes]
+            self.gate.record(ids, drafted, tokens, step_s, switch_seconds, regimes)
         if self.overhead is not None:
             self.overhead.record(len(decodes), step_s, forward.seconds - prefill_s, draft_seconds)
 

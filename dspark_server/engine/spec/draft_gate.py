@@ -37,6 +37,11 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 
+def _regime_key(temperature: float) -> float:
+    """Sampling temperatures that accept alike share a prior (0: greedy)."""
+    return round(float(temperature), 1)
+
+
 @dataclass
 class _Mean:
     """A moving average; a plain mean until there are 1/smoothing samples, so that one slow first
@@ -89,6 +94,7 @@ class DraftGate:
         self._buckets: dict[int, _Bucket] = {}
         self._forecast: dict[str, float] = {}  # request id -> tokens per drafting step
         self._prior = _Mean()  # all loads: for a bucket that has not drafted yet
+        self._regimes: dict[tuple[int, float], _Mean] = {}  # (bucket or 0 = any, regime) -> prior
 
     @staticmethod
     def bucket_of(num_requests: int) -> int:
@@ -116,12 +122,31 @@ class DraftGate:
             _Mean(src.tokens_per_request.value, self.min_samples),
         )
 
-    def forecast_tokens(self, request_ids: Sequence[str]) -> float:
-        """Tokens a drafting step is expected to emit for these requests."""
+    def forecast_tokens(self, request_ids: Sequence[str], regimes: Sequence[float] | None = None) -> float:
+        """Tokens a drafting step is expected to emit for these requests (``regimes``: each one's
+        sampling temperature, which picks a newcomer's prior)."""
+        key = self.bucket_of(len(request_ids))
         prior = self._bucket(len(request_ids)).tokens_per_request.value
         if math.isnan(prior):
             prior = self._prior.value
-        return sum(self._forecast.get(rid, prior) for rid in request_ids)
+        if regimes is None:
+            return sum(self._forecast.get(rid, prior) for rid in request_ids)
+        total = 0.0
+        for rid, regime in zip(request_ids, regimes, strict=True):
+            f = self._forecast.get(rid)
+            total += f if f is not None else self._regime_prior(key, regime, prior)
+        return total
+
+    def _regime_prior(self, bucket: int, regime: float, fallback: float) -> float:
+        """A newcomer's prior: its sampling regime's mean at this load, else at any load (greedy
+        and sampled requests accept very differently), else the load bucket's mean."""
+        for mean in (
+            self._regimes.get((bucket, _regime_key(regime))),
+            self._regimes.get((0, _regime_key(regime))),
+        ):
+            if mean is not None and not math.isnan(mean.value):
+                return mean.value
+        return fallback
 
     def explore_interval(self, lost: float, best_seconds: float) -> int:
         """Steps between explorations so that the time they lose (an exploring step's time minus
@@ -129,14 +154,15 @@ class DraftGate:
         steps = lost / (self.max_explore_overhead * best_seconds)
         return min(self.max_explore_interval, max(self.explore_every, math.ceil(steps)))
 
-    def choose(self, request_ids: Sequence[str]) -> bool:
-        """True: draft this step. ``request_ids``: every decoding request of the step."""
+    def choose(self, request_ids: Sequence[str], regimes: Sequence[float] | None = None) -> bool:
+        """True: draft this step. ``request_ids``: every decoding request of the step;
+        ``regimes``: their sampling temperatures."""
         live = set(request_ids)
         self._forecast = {rid: f for rid, f in self._forecast.items() if rid in live}
         b = self._bucket(len(request_ids))
         if not b.measured(self.min_samples):
             return b.draft_seconds.count <= b.plain_seconds.count  # warm-up: measure both alike
-        draft_rate = self.forecast_tokens(request_ids) / b.draft_seconds.value
+        draft_rate = self.forecast_tokens(request_ids, regimes) / b.draft_seconds.value
         plain_rate = len(request_ids) / b.plain_seconds.value
         draft_best = draft_rate >= plain_rate
         if draft_best:
@@ -159,6 +185,7 @@ class DraftGate:
         tokens: Sequence[float],
         seconds: float,
         switch_seconds: float = 0.0,
+        regimes: Sequence[float] | None = None,
     ) -> None:
         """A finished step: its requests, whether it drafted, the tokens each request emitted
         (or, better, the plan's calibrated expectation of them: far less noisy than one draw),
@@ -175,6 +202,13 @@ class DraftGate:
             b.switch_seconds.update(switch_seconds, self.smoothing)
         b.tokens_per_request.update(sum(tokens) / len(tokens), self.smoothing)
         self._prior.update(sum(tokens) / len(tokens), self.smoothing)
+        if regimes is not None:
+            by_regime: dict[float, list[float]] = {}
+            for regime, n in zip(regimes, tokens, strict=True):
+                by_regime.setdefault(_regime_key(regime), []).append(n)
+            for regime, ns in by_regime.items():
+                for key in ((self.bucket_of(len(request_ids)), regime), (0, regime)):  # 0: any load
+                    self._regimes.setdefault(key, _Mean()).update(sum(ns) / len(ns), self.smoothing)
         w = self.request_smoothing
         for rid, n in zip(request_ids, tokens, strict=True):
             prior = self._forecast.get(rid, b.tokens_per_request.value)
