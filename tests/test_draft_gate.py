@@ -121,8 +121,11 @@ def test_a_newcomer_starts_from_its_sampling_regimes_prior() -> None:
     gate.record(["s1", "s2"], True, [1.5, 1.5], 0.05, regimes=[1.0, 1.0])
     assert gate.forecast_tokens(["new"], [1.0]) == pytest.approx(1.5)
     assert gate.forecast_tokens(["new"], [0.0]) == pytest.approx(5.0)
-    # another load bucket with no samples of its own: the regime's prior at any load
-    assert gate.forecast_tokens([f"n{i}" for i in range(8)], [1.0] * 8) == pytest.approx(8 * 1.5)
-    # an unseen regime, or no regimes given: the bucket's mean of the last step
+    # an unseen regime, or no regimes given: the bucket's mean (of the last step: smoothing 1)
     assert gate.forecast_tokens(["new"], [0.7]) == pytest.approx(1.5)
     assert gate.forecast_tokens(["new"]) == pytest.approx(1.5)
+    # a load bucket without samples of its regimes: its own mean, scaled by the regime's standing
+    # over every load (its plans verify fewer drafts at this load, so fewer tokens for everyone)
+    eight = [f"m{i}" for i in range(8)]
+    gate.record(eight, True, [2.0] * 8, 0.2)  # regimes unknown: the bucket mean is 2.0
+    assert gate.forecast_tokens([f"n{i}" for i in range(8)], [0.0] * 8) == pytest.approx(8 * 2.0 * 5.0 / 2.0)

@@ -7,8 +7,9 @@ steps, so the gate decides first, comparing two forecasts of tokens per second:
 
 - a drafting step emits Σ_r f_r tokens in S_d seconds, where f_r is request r's own moving average
   of the tokens its drafting steps were expected to emit (1 + the calibrated survival of the
-  positions the planner verified; a newcomer starts from the load bucket's long-run mean, the
-  prior);
+  positions the planner verified; a newcomer starts from the prior: the long-run mean of
+  requests of its sampling temperature at this load bucket, else the bucket's mean scaled by how
+  that temperature's requests compare with all over every load);
 - a plain step emits one token per request in S_p seconds.
 
 S_d and S_p are moving averages of measured step times per load bucket (powers of two of the
@@ -138,14 +139,18 @@ class DraftGate:
         return total
 
     def _regime_prior(self, bucket: int, regime: float, fallback: float) -> float:
-        """A newcomer's prior: its sampling regime's mean at this load, else at any load (greedy
-        and sampled requests accept very differently), else the load bucket's mean."""
-        for mean in (
-            self._regimes.get((bucket, _regime_key(regime))),
-            self._regimes.get((0, _regime_key(regime))),
-        ):
-            if mean is not None and not math.isnan(mean.value):
-                return mean.value
+        """A newcomer's prior: the mean of requests of its sampling regime at this load; else the
+        load bucket's mean (``fallback``) scaled by how the regime compares with all requests
+        over every load (greedy and sampled requests accept very differently, and the plan's
+        lengths, hence the tokens, shrink with load: an any-load mean alone would overstate
+        them at high load)."""
+        key = _regime_key(regime)
+        own = self._regimes.get((bucket, key))
+        if own is not None and not math.isnan(own.value):
+            return own.value
+        anywhere = self._regimes.get((0, key))
+        if anywhere is not None and not math.isnan(anywhere.value) and self._prior.value > 0:
+            return fallback * anywhere.value / self._prior.value
         return fallback
 
     def explore_interval(self, lost: float, best_seconds: float) -> int:
