@@ -29,13 +29,9 @@ same number of tokens per request.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
-import math
 import statistics
-import subprocess
 import sys
-import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -43,6 +39,7 @@ from typing import Any
 from dspark_server.bench.common import (
     BenchError,
     SuiteConfig,
+    concurrency_axis,
     latency_stats,
     load_prompt_sets,
     machine_info,
@@ -52,10 +49,8 @@ from dspark_server.bench.common import (
 )
 from dspark_server.bench.gguf_convert import convert_to_gguf, find_converter
 from dspark_server.bench.load_client import RequestResult, completion_payload, run_load
-from dspark_server.bench.managed_server import SERVER_START_TIMEOUT_S, ManagedServer, free_port
+from dspark_server.bench.managed_server import ManagedServer, ServerProcess
 from dspark_server.bench.serving_config import REQUESTS_PER_SLOT, ServingConfig
-
-log = logging.getLogger(__name__)
 
 # What llama.cpp requests add: plain temperature sampling (its defaults are top_k 40, top_p 0.95,
 # min_p 0.05) and no reuse of a previous request's KV prefix.
@@ -75,47 +70,14 @@ class LlamaPeerConfig:
     warmup_requests: int = 2
 
 
-class LlamaServer:
-    """``llama-server`` on a loopback port, its log in a file (same surface as ManagedServer)."""
+class LlamaServer(ServerProcess):
+    """``llama-server`` on a loopback port, its log in a file; ready when /health answers."""
+
+    ready_path = "/health"
 
     def __init__(self, name: str, argv: list[str], log_dir: Path) -> None:
-        self.mode = name
-        self.port = free_port()
-        self.base_url = f"http://127.0.0.1:{self.port}"
-        log_dir.mkdir(parents=True, exist_ok=True)
-        self.log_path = log_dir / f"server-{name}.log"
-        self._log = self.log_path.open("a")
-        cmd = [*argv, "--host", "127.0.0.1", "--port", str(self.port)]
-        self._log.write(f"$ {' '.join(cmd)}\n")
-        self._log.flush()
-        self.proc = subprocess.Popen(cmd, stdout=self._log, stderr=subprocess.STDOUT, start_new_session=True)
-
-    def log_tail(self, n: int = 40) -> str:
-        self._log.flush()
-        return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-n:])
-
-    def wait_ready(self, timeout: float = SERVER_START_TIMEOUT_S) -> None:
-        import httpx
-
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise BenchError(f"{self.mode} exited with code {self.proc.returncode}:\n{self.log_tail()}")
-            with contextlib.suppress(httpx.HTTPError):
-                if httpx.get(f"{self.base_url}/health", timeout=2.0).status_code == 200:
-                    return
-            time.sleep(0.2)
-        raise BenchError(f"{self.mode} not ready after {timeout:.0f} s:\n{self.log_tail()}")
-
-    def stop(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(30)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait(10)
-        self._log.close()
+        super().__init__(name, name, log_dir)
+        self._start([*argv, "--host", "127.0.0.1", "--port", str(self.port)])
 
 
 def llama_argv(
@@ -133,7 +95,7 @@ def run_llama_peers(cfg: LlamaPeerConfig) -> dict[str, Any]:
     return asyncio.run(_run(cfg))
 
 
-def _systems(cfg: LlamaPeerConfig, out: Path) -> dict[str, ManagedServer | LlamaServer]:
+def _systems(cfg: LlamaPeerConfig, out: Path) -> dict[str, ServerProcess]:
     import os
 
     from dspark_server.models.drafter_checkpoint import read_draft_config
@@ -155,10 +117,10 @@ def _systems(cfg: LlamaPeerConfig, out: Path) -> dict[str, ManagedServer | Llama
         plan.append(
             ("llama-dspark", llama_argv(cfg.server_binary, target, draft, gamma, threads, slots, ctx))
         )
-    systems: dict[str, ManagedServer | LlamaServer] = {}
+    systems: dict[str, ServerProcess] = {}
     try:
         for name, argv in plan:  # one at a time: a dspark server profiles SPS at start-up
-            server: ManagedServer | LlamaServer
+            server: ServerProcess
             if argv is None:
                 server = ManagedServer(name.removeprefix("ours-"), cfg.server_args, out / "logs")
             else:
@@ -380,16 +342,7 @@ def _plot(result: dict[str, Any], path: Path) -> None:
             ys = [p["systems"][name]["output_tokens_per_s"] for p in pts]
             style = "-o" if name.startswith("ours") else "--s"
             ax.plot([p["concurrency"] for p in pts], ys, style, label=name)
-        ax.set_xscale("log", base=2)
-        ax.set_xlabel("concurrent requests")
         ax.set_ylabel("output tokens/s")
         ax.set_title(ps)
-        ax.grid(alpha=0.3)
-        ax.legend(fontsize=8)
-        if not all(
-            math.isfinite(y)
-            for p in pts
-            for y in [p["systems"][n]["output_tokens_per_s"] for n in p["systems"]]
-        ):
-            log.warning("non-finite tokens/s in %s", ps)
+        concurrency_axis(ax)
     save_figure(fig, path)

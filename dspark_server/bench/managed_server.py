@@ -28,32 +28,22 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-class ManagedServer:
-    """`dspark serve --spec-mode MODE ...` on a loopback port, its log in a file."""
+class ServerProcess:
+    """A server command on a free loopback port, its log in a file: started by the subclass
+    (``_start``), ready when ``ready_path`` answers 200, stopped with SIGTERM (then SIGKILL)."""
 
-    def __init__(self, mode: str, server_args: Sequence[str], log_dir: Path) -> None:
+    ready_path = "/ready"
+
+    def __init__(self, mode: str, label: str, log_dir: Path) -> None:
         self.mode = mode
+        self.label = label  # what error messages call it
         self.port = free_port()
         self.base_url = f"http://127.0.0.1:{self.port}"
         log_dir.mkdir(parents=True, exist_ok=True)
         self.log_path = log_dir / f"server-{mode}.log"
         self._log = self.log_path.open("a")
-        args = list(server_args)
-        if mode == "off":  # the drafter would only be loaded to be ignored
-            args = _drop_flag(args, "--draft")
-        cmd = [
-            sys.executable,
-            "-m",
-            "dspark_server.cli",
-            "serve",
-            "--host",
-            "127.0.0.1",
-            "--port",
-            str(self.port),
-            "--spec-mode",
-            mode,
-            *args,
-        ]
+
+    def _start(self, cmd: list[str]) -> None:
         self._log.write(f"$ {' '.join(cmd)}\n")
         self._log.flush()
         self.proc = subprocess.Popen(cmd, stdout=self._log, stderr=subprocess.STDOUT, start_new_session=True)
@@ -68,17 +58,14 @@ class ManagedServer:
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
-                raise BenchError(
-                    f"`dspark serve --spec-mode {self.mode}` exited with code "
-                    f"{self.proc.returncode}; log {self.log_path}:\n{self.log_tail()}"
-                )
+                code, tail = self.proc.returncode, self.log_tail()
+                raise BenchError(f"{self.label} exited with code {code}; log {self.log_path}:\n{tail}")
             with contextlib.suppress(httpx.HTTPError):
-                if httpx.get(f"{self.base_url}/ready", timeout=2.0).status_code == 200:
+                if httpx.get(f"{self.base_url}{self.ready_path}", timeout=2.0).status_code == 200:
                     return
             time.sleep(0.2)
         raise BenchError(
-            f"`dspark serve --spec-mode {self.mode}` not ready after {timeout:.0f} s; "
-            f"log {self.log_path}:\n{self.log_tail()}"
+            f"{self.label} not ready after {timeout:.0f} s; log {self.log_path}:\n{self.log_tail()}"
         )
 
     def rss_bytes(self) -> int | None:
@@ -99,6 +86,18 @@ class ManagedServer:
                 self.proc.kill()
                 self.proc.wait(10)
         self._log.close()
+
+
+class ManagedServer(ServerProcess):
+    """`dspark serve --spec-mode MODE ...` on a loopback port, its log in a file."""
+
+    def __init__(self, mode: str, server_args: Sequence[str], log_dir: Path) -> None:
+        super().__init__(mode, f"`dspark serve --spec-mode {mode}`", log_dir)
+        args = list(server_args)
+        if mode == "off":  # the drafter would only be loaded to be ignored
+            args = _drop_flag(args, "--draft")
+        cmd = [sys.executable, "-m", "dspark_server.cli", "serve", "--host", "127.0.0.1"]
+        self._start([*cmd, "--port", str(self.port), "--spec-mode", mode, *args])
 
 
 def _drop_flag(args: list[str], flag: str) -> list[str]:
