@@ -214,8 +214,10 @@ class SpeculativeDecoder:
         """After the engine committed ``result`` (``kept``: the tokens each request kept): teach
         the gate and the overhead estimate."""
         forecast = kept if result.expected_tokens is None else result.expected_tokens
-        catch_up = result.catch_up_seconds  # priced as the steady cost of drafting, it would keep
-        self._learn(  # the gate on plain steps, whose put-off writes then grow the next catch-up
+        # the catch-up is the price of switching from plain steps: priced as the steady cost of
+        # drafting, it would keep the gate on plain steps, whose put-off writes grow the next one
+        catch_up = result.catch_up_seconds
+        self._learn(
             [d.request for d in result.decodes],
             True,
             forecast,
