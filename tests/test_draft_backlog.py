@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from test_speculative import generate, make_engine
+from test_speculative import Collector, generate, make_engine, run_all
 
 from dspark_server.engine.engine import LLMEngine
 from dspark_server.engine.request import SamplingParams
@@ -19,14 +19,19 @@ from dspark_server.testing.tiny import build_tiny_drafter, build_tiny_model
 
 
 class ScriptedGate(DraftGate):
-    """The gate's choice pinned to a fixed pattern (its real policy depends on timings)."""
+    """The gate's choice pinned to a fixed pattern (its real policy depends on timings): True
+    drafts for every request, False for none, "even" / "odd" for the requests at even / odd
+    places (a partial exploration: the others take plain tokens in the same forward)."""
 
-    def __init__(self, pattern: Sequence[bool]) -> None:
+    def __init__(self, pattern: Sequence[bool | str]) -> None:
         super().__init__()
         self._pattern = itertools.cycle(pattern)
 
-    def choose(self, request_ids: Sequence[str], regimes: Sequence[float] | None = None) -> bool:
-        return next(self._pattern)
+    def choose(self, request_ids: Sequence[str], regimes: Sequence[float] | None = None) -> list[int]:
+        pick = next(self._pattern)
+        if isinstance(pick, str):
+            return list(range(0 if pick == "even" else 1, len(request_ids), 2))
+        return list(range(len(request_ids))) if pick else []
 
 
 @pytest.fixture(scope="module")
@@ -37,7 +42,7 @@ def pair(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
 
 
 def _run(
-    pair: tuple[Path, Path], max_backlog: int, pattern: Sequence[bool]
+    pair: tuple[Path, Path], max_backlog: int, pattern: Sequence[bool | str]
 ) -> tuple[LLMEngine, list[torch.Tensor], list[torch.Tensor], dict[str, list[int]], int]:
     target, draft = pair
     # fixed mode: every drafted position verified, so the rounds do not depend on measured costs
@@ -72,14 +77,22 @@ def _run(
     return engine, tokens, logits, {str(i): col.tokens(str(i)) for i in range(6)}, most
 
 
-@pytest.mark.parametrize("pattern", [(True, False, False, False, False), (False,) * 9 + (True,)])
+@pytest.mark.parametrize(
+    "pattern",
+    [(True, False, False, False, False), (False,) * 9 + (True,), ("even", False, "odd", True, "odd", False)],
+)
 def test_deferred_context_drafts_exactly_what_immediate_writes_draft(
-    pair: tuple[Path, Path], pattern: tuple[bool, ...]
+    pair: tuple[Path, Path], pattern: tuple[bool | str, ...]
 ) -> None:
     _, eager_tokens, eager_logits, eager_out, eager_most = _run(pair, 1, pattern)
     _, lazy_tokens, lazy_logits, lazy_out, lazy_most = _run(pair, 64, pattern)
     # the lazy run did defer: the plain steps between drafting steps, and the first (prefill) step
-    assert eager_most == 0 and len(pattern) - 1 <= lazy_most <= len(pattern)
+    # (with partial steps, which defer some of their rows and write others, at least those)
+    assert eager_most == 0
+    if all(isinstance(p, bool) for p in pattern):
+        assert len(pattern) - 1 <= lazy_most <= len(pattern)
+    else:
+        assert lazy_most >= 2, lazy_most
     assert len(lazy_tokens) == len(eager_tokens) > 4
     for a, b in zip(lazy_tokens, eager_tokens, strict=True):
         assert torch.equal(a, b)
@@ -143,3 +156,38 @@ def test_steps_whose_requests_all_left_are_dropped_when_deferring() -> None:
     a.status = Status.FINISHED
     deferred.defer([Run(b, 1)], torch.zeros(1, 4))
     assert len(deferred) == 2  # a's step went; b's two stay
+
+
+def test_a_partial_step_writes_the_drafting_requests_context_and_puts_off_the_others(
+    pair: tuple[Path, Path],
+) -> None:
+    """Drafting for a few requests (the gate exploring) catches up their put-off rows only and
+    puts off the plain decodes' new rows, whose tokens come from the plain sampler."""
+    target, draft = pair
+    engine = make_engine(target, draft, "fixed", max_running=4)
+    spec = engine.spec
+    assert spec is not None
+    spec.gate = ScriptedGate((False, "even", True))  # asked from the first step with decodes
+    plain = make_engine(target, None, "off", max_running=4)
+    cols = []
+    for eng in (engine, plain):
+        col = Collector()
+        for i in range(4):
+            eng.add_request(
+                str(i), [5 + i, 6, 7, 8 + i], SamplingParams(temperature=0, max_tokens=12), col.sink(str(i))
+            )
+        cols.append(col)
+    engine.step()  # prefill: every row put off
+    engine.step()  # a plain step: more put off
+    reqs = [engine.requests[str(i)] for i in range(4)]
+    assert [spec.deferred.pending(r) for r in reqs] == [5, 5, 5, 5]
+    engine.step()  # "even": requests 0 and 2 draft
+    assert [spec.deferred.pending(r) for r in reqs] == [0, 6, 0, 6]
+    assert all(len(r.output_ids) == 3 for r in (reqs[1], reqs[3]))  # one plain token each
+    engine.step()  # everyone drafts: everything written
+    assert [spec.deferred.pending(r) for r in reqs] == [0, 0, 0, 0] and len(spec.deferred) == 0
+    run_all(engine)
+    run_all(plain)
+    assert all(cols[0].tokens(str(i)) == cols[1].tokens(str(i)) for i in range(4))
+    alloc = engine.scheduler.allocator
+    assert alloc.free_pages == alloc.capacity_pages

@@ -10,31 +10,38 @@ from dspark_server.engine.spec.draft_gate import DraftGate
 IDS8 = [f"r{i}" for i in range(8)]
 
 
+def drafts_all(gate: DraftGate, ids: list[str]) -> bool:
+    """The gate's choice for a step, which must be all or nothing here."""
+    chosen = gate.choose(ids)
+    assert chosen in ([], list(range(len(ids))))
+    return bool(chosen)
+
+
 def _warm(gate: DraftGate, ids: list[str], draft: tuple[int, float], plain_s: float) -> None:
     """One drafting step (each request emits ``draft[0]`` tokens in ``draft[1]`` s), one plain."""
-    assert gate.choose(ids) is True
+    assert drafts_all(gate, ids) is True
     gate.record(ids, True, [draft[0]] * len(ids), draft[1])
-    assert gate.choose(ids) is False
+    assert drafts_all(gate, ids) is False
     gate.record(ids, False, [1] * len(ids), plain_s)
 
 
 def test_gate_measures_both_then_follows_the_faster_and_explores() -> None:
     gate = DraftGate(explore_every=4, max_explore_interval=4, max_explore_overhead=0.5, min_samples=1)
     _warm(gate, IDS8, (10, 1.0), 1.0)  # drafting: 80 tokens/s, plain: 8 tokens/s
-    picks = [gate.choose(IDS8) for _ in range(8)]
+    picks = [drafts_all(gate, IDS8) for _ in range(8)]
     # every explore_every-th step goes to the slower choice
     assert picks.count(True) == 6 and picks.count(False) == 2
     # the requests turn hard: their own forecasts fall below one token per drafting step's time
     for _ in range(6):
         gate.record(IDS8, True, [1] * 8, 2.0)
-    picks = [gate.choose(IDS8) for _ in range(8)]
+    picks = [drafts_all(gate, IDS8) for _ in range(8)]
     assert picks.count(False) == 6
     # another load bucket keeps its own step times, seeded from the nearest measured bucket
     # (times scaled by the load ratio): no warm-up alternation there
     wide = [f"x{i}" for i in range(64)]
     assert DraftGate.bucket_of(64) == DraftGate.bucket_of(8) + 3
-    first = gate.choose(wide)
-    assert [gate.choose(wide) for _ in range(2)] == [first, first]
+    first = drafts_all(gate, wide)
+    assert [drafts_all(gate, wide) for _ in range(2)] == [first, first]
     draft_rate, plain_rate = gate.rates()[DraftGate.bucket_of(64)]
     assert plain_rate == pytest.approx(gate.rates()[DraftGate.bucket_of(8)][1] / 8)
 
@@ -45,18 +52,18 @@ def test_one_hard_request_does_not_switch_drafting_off_for_the_next() -> None:
     # every later request too
     gate = DraftGate(min_samples=2, request_smoothing=0.5, smoothing=0.05, max_explore_interval=64)
     for _ in range(2):
-        gate.choose(["hard"])
+        drafts_all(gate, ["hard"])
         gate.record(["hard"], True, [1], 0.100)
-        gate.choose(["hard"])
+        drafts_all(gate, ["hard"])
         gate.record(["hard"], False, [1], 0.030)
     # the hard one: 1 token per 100 ms drafting vs 1 per 30 ms plain -> plain
-    assert gate.choose(["hard"]) is False
+    assert drafts_all(gate, ["hard"]) is False
     # an easy request after it: the gate explores it within max_explore_interval steps, and one
     # good drafting step (7 tokens) is enough to draft from then on
-    picks = [gate.choose(["easy"]) for _ in range(gate.max_explore_interval)]
+    picks = [drafts_all(gate, ["easy"]) for _ in range(gate.max_explore_interval)]
     assert picks.count(True) == 1
     gate.record(["easy"], True, [7], 0.100)
-    assert sum(gate.choose(["easy"]) for _ in range(8)) >= 6  # plain only explored
+    assert sum(drafts_all(gate, ["easy"]) for _ in range(8)) >= 6  # plain only explored
     # ...while the hard request, were it still running beside another hard one, would not draft
     assert gate.forecast_tokens(["easy"]) > 3.3 > gate.forecast_tokens(["hard2"])
 
@@ -65,28 +72,62 @@ def test_costly_exploration_is_rare_but_bounded() -> None:
     # a draft step takes 6x a plain step and emits 1.2x its tokens: each exploring step loses
     # 6 * (1 - 0.2) = 4.8 plain-step times, so a 2% budget allows one every 241 steps; the
     # interval cap (64) keeps the forecast fresh at a bounded cost
+    # (explore_fraction 1: no partial exploration, whole drafting steps only)
     ids = [f"r{i}" for i in range(64)]
-    gate = DraftGate(explore_every=4, max_explore_interval=256, max_explore_overhead=0.02, min_samples=1)
-    gate.choose(ids)
+    gate = DraftGate(explore_every=4, max_explore_interval=256, min_samples=1, explore_fraction=1.0)
+    drafts_all(gate, ids)
     gate.record(ids, True, [1] * 52 + [2] * 12, 0.060)  # 76 tokens, 1.1875 per request
-    gate.choose(ids)
+    drafts_all(gate, ids)
     gate.record(ids, False, [1] * 64, 0.010)
     lost = 0.060 * (1 - (76 / 0.060) / (64 / 0.010))  # 4.8 plain steps' time
     assert gate.explore_interval(lost, 0.010) == 241
-    picks = [gate.choose(ids) for _ in range(482)]
+    picks = [drafts_all(gate, ids) for _ in range(482)]
     assert picks.count(True) == 2 and picks[240] and picks[481]
     capped = DraftGate(explore_every=4, max_explore_interval=64)
     assert capped.explore_interval(lost, 0.010) == 64
     assert capped.explore_interval(0.0, 0.010) == 4
 
 
+def test_while_plain_is_faster_a_few_requests_explore_drafting_for_all() -> None:
+    """Exploring with a whole drafting step at 64 requests loses 4.8 plain steps' time; drafting
+    for the 8 requests known least (in a step where the rest take plain tokens) costs a fraction
+    of it, and keeps every request's forecast and the regime's prior learning."""
+    ids = [f"r{i}" for i in range(64)]
+    gate = DraftGate(explore_every=4, max_explore_interval=256, min_samples=1, partial_explore_overhead=0.01)
+    assert gate.choose(ids) == list(range(64))  # warm-up: one of each
+    gate.record(ids, True, [1] * 52 + [2] * 12, 0.060, regimes=[1.0] * 64)
+    assert gate.choose(ids) == []
+    gate.record(ids, False, [1] * 64, 0.010)
+    assert gate.explore_size(64) == 8 and gate.explore_size(4) == 1
+    # no partial step measured yet: its loss is taken as 8/64 of a whole one's (4.8 plain steps')
+    whole = 0.060 * (1 - (76 / 0.060) / (64 / 0.010))
+    interval = gate.explore_interval(whole * 8 / 64, 0.010, 0.01)
+    assert interval == 61
+    picks = [gate.choose(ids) for _ in range(interval)]
+    assert all(p == [] for p in picks[:-1])
+    assert picks[-1] == list(range(8))  # all drafted once, at the same step: the first eight
+    # the explored requests turn out easy, and the partial step cost 1.2 plain steps' time
+    gate.record([ids[i] for i in picks[-1]], True, [4.0] * 8, 0.012, regimes=[1.0] * 8, num_requests=64)
+    draft_rate, _ = gate.rates()[DraftGate.bucket_of(64)]
+    assert draft_rate == pytest.approx((76 / 64 + 4.0) / 2 / 0.060)  # prior moved, step time kept
+    assert gate.forecast_tokens([ids[0]]) > gate.forecast_tokens([ids[8]])
+    lost = 0.012 - 0.010 * (8 * 4.0 + 56) / 64
+    assert lost < 0.0  # drafting for a few paid: explorations as often as allowed
+    picks = [gate.choose(ids) for _ in range(gate.explore_every)]
+    assert picks[-1] == list(range(8, 16))  # the next eight, who have not drafted yet
+    # a request leaving takes its forecast along; the whole-step exploration is capped
+    gate.record([ids[i] for i in picks[-1]], True, [1.0] * 8, 0.020, regimes=[1.0] * 8, num_requests=64)
+    full = [gate.choose(ids) for _ in range(256)]
+    assert sum(len(p) == 64 for p in full) <= 1
+
+
 def test_forecasts_follow_each_request_and_are_dropped_when_it_leaves() -> None:
     gate = DraftGate(min_samples=1, request_smoothing=0.5, smoothing=1.0)
-    gate.choose(["a", "b"])
+    drafts_all(gate, ["a", "b"])
     gate.record(["a", "b"], True, [7, 1], 0.05)
     assert gate.forecast_tokens(["a"]) == pytest.approx(0.5 * 4 + 0.5 * 7)  # prior 4 = mean
     assert gate.forecast_tokens(["b"]) == pytest.approx(0.5 * 4 + 0.5 * 1)
-    gate.choose(["a"])  # b finished: its forecast goes; a newcomer starts from the prior
+    drafts_all(gate, ["a"])  # b finished: its forecast goes; a newcomer starts from the prior
     assert gate.forecast_tokens(["b"]) == pytest.approx(4.0)
 
 
@@ -95,7 +136,7 @@ def test_gate_ignores_unusable_timings() -> None:
     gate.record(["a"] * 4, True, [10] * 4, 0.0)
     gate.record(["a"] * 4, True, [10] * 4, float("nan"))
     assert gate.rates() == {}
-    assert gate.choose(["a", "b", "c", "d"]) is True
+    assert drafts_all(gate, ["a", "b", "c", "d"]) is True
 
 
 def test_warm_up_measures_both_choices_before_one_slow_step_can_decide() -> None:
@@ -103,14 +144,14 @@ def test_warm_up_measures_both_choices_before_one_slow_step_can_decide() -> None
     draft_steps = iter([(1, 0.030), (5, 0.015), (5, 0.015)])  # a cold first draft step, then normal
     picks = []
     for _ in range(6):
-        drafted = gate.choose(["a"])
+        drafted = drafts_all(gate, ["a"])
         picks.append(drafted)
         tokens, seconds = next(draft_steps) if drafted else (1, 0.007)
         gate.record(["a"], drafted, [tokens], seconds)
     assert picks == [True, False, True, False, True, False]  # alternating until 3 of each
     draft_rate, plain_rate = gate.rates()[DraftGate.bucket_of(1)]
     assert draft_rate == pytest.approx((11 / 3) / 0.020) and plain_rate == pytest.approx(1 / 0.007)
-    assert gate.choose(["a"]) is True  # a's own forecast: 0.5 * (0.5 * prior + 0.5 * 1) ... ≈ 4
+    assert drafts_all(gate, ["a"]) is True  # a's own forecast: 0.5 * (0.5 * prior + 0.5 * 1) ... ≈ 4
 
 
 def test_a_newcomer_starts_from_its_sampling_regimes_prior() -> None:

@@ -138,8 +138,9 @@ class LLMEngine:
                 req.first_scheduled_time = now
         self.stats.prompt_tokens += sum(c.num_tokens for c in sched.prefills)
         spec = self.spec
-        if spec is not None and spec.wants_draft(sched.decodes):
-            self._run_speculative(spec, sched)
+        drafting = spec.drafting(sched.decodes) if spec is not None else []
+        if spec is not None and drafting:
+            self._run_speculative(spec, sched, drafting)
             return
         # a plain step; in a speculative mode it also captures the drafter's features
         t0 = time.perf_counter()
@@ -161,22 +162,27 @@ class LLMEngine:
             spec.record_plain(sched.decodes, result, sum(c.num_tokens for c in sched.prefills), seconds)
             self.stats.record_spec_step(len(sched.decodes), "plain", None, seconds)
 
-    def _run_speculative(self, spec: SpeculativeDecoder, sched: SchedulerOutput) -> None:
-        """The speculative step returns what each request emits; the engine commits it, samples
-        the completed prefills like the plain path does, and reports back what was kept."""
+    def _run_speculative(
+        self, spec: SpeculativeDecoder, sched: SchedulerOutput, drafting: list[Request]
+    ) -> None:
+        """The speculative step returns what each drafting request emits; the engine commits
+        it, samples the completed prefills and the decodes that did not draft like the plain
+        path does, and reports back what was kept."""
         t0 = time.perf_counter()
         prefill_tokens = sum(c.num_tokens for c in sched.prefills)
         room = self.cfg.max_batch_tokens - len(sched.decodes) - prefill_tokens
-        result: SpecStepResult = spec.step(self.runner, sched.decodes, sched.prefills, max(0, room))
+        chosen = {id(r) for r in drafting}
+        plain = [r for r in sched.decodes if id(r) not in chosen]
+        result: SpecStepResult = spec.step(self.runner, drafting, sched.prefills, max(0, room), plain)
         self.stats.record_batch(result.forward.batch.num_tokens, result.forward.seconds)
         kept = [self.commit(d.request, d.tokens, d.spec_round) for d in result.decodes]
         completing = [c.request for c in sched.prefills if c.completes]
-        rows = torch.tensor(result.prefill_rows, dtype=torch.long)
-        self._sample_next(completing, result.forward.output.logits[rows])
+        rows = torch.tensor(result.plain_rows + result.prefill_rows, dtype=torch.long)
+        self._sample_next(result.plain + completing, result.forward.output.logits[rows])
         seconds = time.perf_counter() - t0
         spec.record(result, kept, seconds)
         choice = "drafts" if sum(d.spec_round[1] for d in result.decodes) else "none"  # verified any?
-        self.stats.record_spec_step(len(result.decodes), choice, result.predicted_seconds, seconds)
+        self.stats.record_spec_step(len(sched.decodes), choice, result.predicted_seconds, seconds)
 
     def _sample_next(self, reqs: list[Request], logits: torch.Tensor) -> None:
         """The one place a forward's last-token logits become each request's next token."""

@@ -29,13 +29,23 @@ class SamplingTensors:
     temperature: torch.Tensor  # [N] float, 0 = greedy
     top_p: torch.Tensor  # [N] float in (0, 1]
     top_k: torch.Tensor  # [N] long, <= 0 = disabled
+    # which shaping steps any row needs (known from the parameters: no tensor op, no sync)
+    any_greedy: bool = True
+    all_greedy: bool = False
+    any_top_k: bool = True
+    any_top_p: bool = True
 
     @classmethod
     def from_params(cls, params: Sequence[SamplingParams]) -> SamplingTensors:
+        greedy = [p.temperature < GREEDY_BELOW for p in params]
         return cls(
             temperature=torch.tensor([p.temperature for p in params], dtype=torch.float32),
             top_p=torch.tensor([p.top_p for p in params], dtype=torch.float32),
             top_k=torch.tensor([p.top_k for p in params], dtype=torch.long),
+            any_greedy=any(greedy),
+            all_greedy=all(greedy),
+            any_top_k=any(p.top_k > 0 and not g for p, g in zip(params, greedy, strict=True)),
+            any_top_p=any(p.top_p < 1.0 and not g for p, g in zip(params, greedy, strict=True)),
         )
 
     def repeat_rows(self, counts: torch.Tensor) -> SamplingTensors:
@@ -44,20 +54,22 @@ class SamplingTensors:
             self.temperature.repeat_interleave(counts),
             self.top_p.repeat_interleave(counts),
             self.top_k.repeat_interleave(counts),
+            self.any_greedy,
+            self.all_greedy,
+            self.any_top_k,
+            self.any_top_p,
         )
 
     @property
     def greedy(self) -> torch.Tensor:
         return self.temperature < GREEDY_BELOW
 
-    @property
-    def all_greedy(self) -> bool:
-        return bool(self.greedy.all())
-
 
 def shape_probs(logits: torch.Tensor, s: SamplingTensors) -> torch.Tensor:
     """Distributions [N, V] that sampling draws from, after temperature, top-k and top-p."""
     logits = logits.float()
+    if not s.any_greedy and not s.any_top_k and not s.any_top_p:  # temperature only: the common case
+        return torch.softmax(logits / s.temperature[:, None], dim=-1)
     greedy = s.greedy
     out = torch.empty_like(logits)
     if greedy.any():
@@ -83,15 +95,21 @@ def _mask_top_k(logits: torch.Tensor, top_k: torch.Tensor) -> torch.Tensor:
 
 
 def _mask_top_p(probs: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
-    if bool((top_p >= 1.0).all()):
+    """Rows with top_p < 1 keep their smallest prefix reaching top_p; the others are left as they
+    are (bit for bit: a row is shaped alike whatever the batch around it)."""
+    need = top_p < 1.0
+    if not bool(need.any()):
         return probs
-    sorted_p, order = probs.sort(dim=-1, descending=True)
+    sub = probs[need]
+    sorted_p, order = sub.sort(dim=-1, descending=True)
     mass_before = sorted_p.cumsum(dim=-1) - sorted_p
-    drop_sorted = mass_before >= top_p[:, None]  # keeps the smallest prefix reaching top_p
+    drop_sorted = mass_before >= top_p[need][:, None]  # keeps the smallest prefix reaching top_p
     drop_sorted[:, 0] = False  # and always the most likely token, whatever top_p rounds to
     drop = torch.zeros_like(drop_sorted).scatter(1, order, drop_sorted)
-    kept = probs.masked_fill(drop, 0.0)
-    return kept / kept.sum(dim=-1, keepdim=True)
+    kept = sub.masked_fill(drop, 0.0)
+    out = probs.clone()
+    out[need] = kept / kept.sum(dim=-1, keepdim=True)
+    return out
 
 
 def sample(
@@ -135,7 +153,7 @@ def sample_from_logits(
     if s.all_greedy:
         return logits.argmax(dim=-1)
     tokens = sample(shape_probs(logits, s), generators, keys)
-    greedy = s.greedy
-    if greedy.any():
+    if s.any_greedy:
+        greedy = s.greedy
         tokens[greedy] = logits[greedy].argmax(dim=-1)
     return tokens

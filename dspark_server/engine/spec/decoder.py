@@ -18,23 +18,23 @@ from __future__ import annotations
 import math
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
 
-from dspark_server.engine.batch import SeqChunk
 from dspark_server.engine.kv_cache import PageAllocator, PageTable
 from dspark_server.engine.model_runner import ForwardResult, ModelRunner
 from dspark_server.engine.request import Request
-from dspark_server.engine.sampling import SamplingTensors, sample_from_logits, shape_probs
+from dspark_server.engine.sampling import SamplingTensors
 from dspark_server.engine.scheduler import ScheduledChunk
 from dspark_server.engine.spec.deferred_context import DeferredContext, Run
 from dspark_server.engine.spec.draft_gate import DraftGate
 from dspark_server.engine.spec.drafting import Drafts, sample_drafts
 from dspark_server.engine.spec.rounds import RoundRecord
 from dspark_server.engine.spec.step_overhead import StepOverhead
-from dspark_server.engine.spec.verify import VerifyOutcome, verify_greedy, verify_padded
+from dspark_server.engine.spec.verify import VerifyOutcome
+from dspark_server.engine.spec.verify_forward import verify_forward
 from dspark_server.models.attention import KVPool
 from dspark_server.models.drafter import DraftBlock, DraftContext, DSparkDrafter
 from dspark_server.planner import (
@@ -73,6 +73,10 @@ class SpecStepResult:
     # writing the drafter context earlier plain steps put off (part of draft_seconds): the
     # switch from plain steps to drafting, not what a drafting step costs in a run of them
     catch_up_seconds: float = 0.0
+    # the requests that took a plain token in this step (the gate explored drafting for a few)
+    # and each one's logits row, for the engine's sampler
+    plain: list[Request] = field(default_factory=list)
+    plain_rows: list[int] = field(default_factory=list)
 
 
 @dataclass(frozen=True)
@@ -133,13 +137,14 @@ class SpeculativeDecoder:
         # Called once per step with every decoding request's round (calibration, evaluation).
         self.round_observers: list[Callable[[RoundRecord], None]] = []
 
-    def wants_draft(self, decodes: list[Request]) -> bool:
-        """Whether this step drafts (the draft gate's choice; always, without a gate). Asked once
-        per step: False sends the step down the engine's plain path, then ``keep_plain``."""
-        if not decodes:
-            return False
+    def drafting(self, decodes: list[Request]) -> list[Request]:
+        """The decoding requests that draft this step (the draft gate's choice; all of them,
+        without a gate). Asked once per step: none sends the step down the engine's plain path,
+        then ``keep_plain``; the others go to ``step`` as its plain decodes."""
+        if not decodes or self.gate is None:
+            return list(decodes)
         regimes = [r.params.temperature for r in decodes]
-        return self.gate is None or self.gate.choose([r.request_id for r in decodes], regimes)
+        return [decodes[i] for i in self.gate.choose([r.request_id for r in decodes], regimes)]
 
     def keep_plain(
         self,
@@ -170,28 +175,34 @@ class SpeculativeDecoder:
         decodes: list[Request],
         prefills: list[ScheduledChunk],
         max_draft_tokens: int | None = None,
+        plain: Sequence[Request] = (),
     ) -> SpecStepResult:
-        """One drafting step for the decoding requests (and the step's prefill chunks, in the
-        same forward); the engine asked ``wants_draft`` first, a step that does not draft is its
-        plain step. ``max_draft_tokens`` caps Σℓ: the tokens of the step's budget prefill left."""
+        """One drafting step for the decoding requests ``decodes`` (with the step's ``plain``
+        decodes, which take one plain token each, and its prefill chunks, in the same forward);
+        the engine asked ``drafting`` first, a step where nobody drafts is its plain step.
+        ``max_draft_tokens`` caps Σℓ: the tokens of the step's budget prefill left."""
         if not decodes:
             raise ValueError("a speculative step needs decoding requests (else it is a plain step)")
         t_start = time.perf_counter()
+        plain = list(plain)
         sampling = SamplingTensors.from_params([r.params for r in decodes])
         prefill_tokens = sum(c.num_tokens for c in prefills)
         anchor_pos = [r.num_computed for r in decodes]
-        self._catch_up(runner.allocator)
+        plain_runs = [Run(r, r.num_computed) for r in plain]
+        self._catch_up(runner.allocator, only=decodes if plain else None)
         catch_up_s = time.perf_counter() - t_start
         drafts = self._draft(runner.allocator, decodes, anchor_pos, sampling)
         draft_s = time.perf_counter() - t_start
-        plan = self._plan(decodes, drafts, sampling, draft_s, max_draft_tokens, prefill_tokens)
-        self.last_verify_lens = plan.lens
+        plan = self._plan(decodes, drafts, sampling, draft_s, max_draft_tokens, prefill_tokens + len(plain))
+        self.last_verify_lens = plan.lens + [0] * len(plain)
 
-        forward, outcome, rows = self._verify(runner, decodes, prefills, drafts, plan.lens, sampling)
-        if self.live_sps is not None and not prefills:  # prefill chunks would skew the curve
+        capture = self.drafter.capture_layers
+        verified = verify_forward(runner, decodes, plain, prefills, drafts, plan.lens, sampling, capture)
+        forward, outcome = verified.forward, verified.outcome
+        if self.live_sps is not None and not prefills and not plain:  # they would skew the curve
             self.live_sps.record(forward.batch.num_tokens, forward.seconds)
         self._observe(decodes, drafts, plan, outcome)
-        self._keep_accepted(runner.allocator, decodes, anchor_pos, prefills, forward, outcome)
+        self._keep_accepted(runner.allocator, decodes, anchor_pos, prefills, forward, outcome, plain_runs)
         emitted = [
             RequestTokens(
                 req,
@@ -207,7 +218,16 @@ class SpeculativeDecoder:
             admitted = torch.arange(plan.survival.shape[1])[None, :] < torch.tensor(plan.lens)[:, None]
             expected = (1.0 + (plan.survival * admitted).sum(dim=1)).tolist()
         return SpecStepResult(
-            emitted, forward, rows, draft_s, prefill_tokens, plan.predicted_seconds, expected, catch_up_s
+            emitted,
+            forward,
+            verified.prefill_rows,
+            draft_s,
+            prefill_tokens,
+            plan.predicted_seconds,
+            expected,
+            catch_up_s,
+            plain,
+            verified.plain_rows,
         )
 
     def record(self, result: SpecStepResult, kept: Sequence[int], step_seconds: float) -> None:
@@ -226,6 +246,7 @@ class SpeculativeDecoder:
             result.draft_seconds - catch_up,
             step_seconds - catch_up,
             catch_up,
+            len(result.decodes) + len(result.plain),
         )
 
     def record_plain(
@@ -244,6 +265,7 @@ class SpeculativeDecoder:
         draft_seconds: float,
         step_seconds: float,
         switch_seconds: float = 0.0,
+        num_requests: int | None = None,
     ) -> None:
         if not decodes:
             return
@@ -254,8 +276,8 @@ class SpeculativeDecoder:
         step_s = step_seconds - prefill_s
         if self.gate is not None:
             ids, regimes = [r.request_id for r in decodes], [r.params.temperature for r in decodes]
-            self.gate.record(ids, drafted, tokens, step_s, switch_seconds, regimes)
-        if self.overhead is not None:
+            self.gate.record(ids, drafted, tokens, step_s, switch_seconds, regimes, num_requests)
+        if self.overhead is not None and (num_requests is None or num_requests == len(decodes)):
             self.overhead.record(len(decodes), step_s, forward.seconds - prefill_s, draft_seconds)
 
     # ---- phases ----------------------------------------------------------------------------
@@ -318,61 +340,6 @@ class SpeculativeDecoder:
             lens = cap_lengths(np.asarray(lens), max_draft_tokens).tolist()
         return _Plan(lens, confidences, survival, predicted)
 
-    def _verify(
-        self,
-        runner: ModelRunner,
-        decodes: list[Request],
-        prefills: list[ScheduledChunk],
-        drafts: Drafts,
-        lens: list[int],
-        sampling: SamplingTensors,
-    ) -> tuple[ForwardResult, VerifyOutcome, list[int]]:
-        """[x0, x1..xℓ] per decoding request + the prefill chunks in one target forward, then
-        rejection sampling for all requests at once. Returns the forward, the outcome and the logits row of
-        each completing prefill chunk."""
-        chunks = [
-            SeqChunk(
-                r.table,
-                r.num_computed,
-                [r.last_token_id] + drafts.tokens[i, :ell].tolist() if ell else [r.last_token_id],
-            )
-            for i, (r, ell) in enumerate(zip(decodes, lens, strict=True))
-        ]
-        chunks += [SeqChunk(c.request.table, c.start, c.token_ids) for c in prefills]
-        tail = [ell + 1 for ell in lens] + [1 if c.completes else 0 for c in prefills]
-        forward = runner.forward(chunks, tail, capture_layers=self.drafter.capture_layers)
-        logits = forward.output.logits
-        ends = torch.tensor(tail, dtype=torch.long).cumsum(0).tolist()
-        starts = [0] + ends[:-1]
-        if not any(lens):  # nothing to verify: the plain path's sampler, as is
-            last = logits[torch.tensor(starts[: len(decodes)])]
-            gens, keys = [r.generator for r in decodes], [r.noise_key for r in decodes]
-            outcome = VerifyOutcome(
-                [0] * len(decodes), sample_from_logits(last, sampling, gens, keys).tolist()
-            )
-        else:
-            # Every request's ℓ_r + 1 rows, padded to the step's widest block: [R, L + 1].
-            width = max(lens) + 1
-            index = torch.tensor(starts[: len(decodes)])[:, None] + torch.arange(width)[None, :]
-            index = torch.minimum(index, torch.tensor(ends[: len(decodes)])[:, None] - 1)
-            if sampling.all_greedy:  # accept while the draft equals the target argmax
-                outcome = verify_greedy(drafts.tokens, logits.argmax(dim=-1)[index], lens)
-            else:
-                rows = logits[index]  # [R, L + 1, V]
-                flat = shape_probs(
-                    rows.reshape(-1, rows.shape[-1]), sampling.repeat_rows(torch.full((len(decodes),), width))
-                )
-                outcome = verify_padded(
-                    drafts.tokens,
-                    drafts.probs,
-                    flat.reshape(rows.shape),
-                    lens,
-                    [r.generator for r in decodes],
-                    [r.noise_key for r in decodes],
-                )
-        completing = [s for s, c in zip(starts[len(decodes) :], prefills, strict=True) if c.completes]
-        return forward, outcome, completing
-
     def _keep_accepted(
         self,
         alloc: PageAllocator,
@@ -381,21 +348,30 @@ class SpeculativeDecoder:
         prefills: list[ScheduledChunk],
         forward: ForwardResult,
         outcome: VerifyOutcome,
+        plain: list[Run],
     ) -> None:
         """Keep x0..x_acc in both caches; one drafter-context write for the whole step, prefill
-        chunks included."""
+        chunks included; the plain decodes' rows are put off, as a plain step's are."""
         offsets = forward.batch.offsets
         rows: list[_ContextRows] = []
         for i, (req, start) in enumerate(zip(decodes, anchor_pos, strict=True)):
             alloc.truncate(req.table, start + outcome.accepted[i] + 1)
             rows.append(_ContextRows(req.table, offsets[i], start, outcome.accepted[i] + 1))
-        self._write_context(alloc, forward, rows + self._prefill_rows(forward, len(decodes), prefills))
+        self._write_context(
+            alloc, forward, rows + self._prefill_rows(forward, len(decodes) + len(plain), prefills)
+        )
+        if plain:
+            hidden = forward.output.hidden
+            assert hidden is not None
+            at = torch.tensor(offsets[len(decodes) : len(decodes) + len(plain)])
+            if self.deferred.defer(plain, hidden[at]):
+                self._catch_up(alloc)
 
     @staticmethod
     def _prefill_rows(
-        forward: ForwardResult, num_decodes: int, prefills: list[ScheduledChunk]
+        forward: ForwardResult, num_before: int, prefills: list[ScheduledChunk]
     ) -> list[_ContextRows]:
-        offsets = forward.batch.offsets[num_decodes:]
+        offsets = forward.batch.offsets[num_before:]
         return [
             _ContextRows(c.request.table, off, c.start, c.num_tokens)
             for off, c in zip(offsets, prefills, strict=True)
@@ -412,10 +388,10 @@ class SpeculativeDecoder:
         slots = torch.cat([alloc.slots(r.table, r.position, r.position + r.count) for r in rows])
         self.drafter.write_context(hidden[packed], positions, slots, self.pool)
 
-    def _catch_up(self, alloc: PageAllocator) -> None:
+    def _catch_up(self, alloc: PageAllocator, only: list[Request] | None = None) -> None:
         """Write the drafter context that steps without drafting put off (before drafting
-        reads it)."""
-        writes = self.deferred.take(alloc)
+        reads it): of ``only`` these requests, when given."""
+        writes = self.deferred.take(alloc, only)
         if writes is not None:
             self.drafter.write_context(writes.features, writes.positions, writes.slots, self.pool)
 

@@ -22,10 +22,17 @@ bucket is measured already: then it starts from that one's estimates. After that
 choice is explored now and then so its forecast stays current: at most ``max_explore_overhead`` of
 the time when the two are far apart, never less often than every ``max_explore_interval`` steps
 (a forecast must not freeze on the requests of long ago) and never more often than every
-``explore_every`` steps. A drafting step's time leaves out its catch-up of the context writes
-earlier plain steps put off: that is the price of switching, and counting it as the price of
-drafting would keep the gate on plain steps, whose growing backlog would make the next catch-up
-dearer still.
+``explore_every`` steps. While plain steps are the faster choice, what needs exploring is mostly
+the requests' acceptance, and that is learnt more cheaply by drafting for a few of them
+(``explore_fraction`` of the step's requests, those whose forecasts are oldest) while the others
+take their plain token in the same forward: such a step costs a fraction of a drafting step and
+is budgeted by ``partial_explore_overhead``. A whole drafting step is explored only when the
+forecast comes within ``near_ratio`` of plain steps' rate (or every ``max_explore_interval``
+steps, to keep the cost of drafting measured).
+
+A drafting step's time leaves out its catch-up of the context writes earlier plain steps put
+off: that is the price of switching, and counting it as the price of drafting would keep the gate
+on plain steps, whose growing backlog would make the next catch-up dearer still.
 
 The decision depends on past steps only, never on the tokens about to be drafted, so skipping a
 draft changes speed, not the output distribution.
@@ -63,7 +70,9 @@ class _Bucket:
     plain_seconds: _Mean = field(default_factory=_Mean)
     tokens_per_request: _Mean = field(default_factory=_Mean)  # in drafting steps: the prior
     switch_seconds: _Mean = field(default_factory=_Mean)  # catch-up of a drafting step after plain ones
+    partial_lost: _Mean = field(default_factory=_Mean)  # what drafting for a few costs, vs plain
     since_explore: int = 0
+    since_partial: int = 0
 
     def measured(self, min_samples: int) -> bool:
         """Both step kinds measured ``min_samples`` times (or seeded as if they were)."""
@@ -79,19 +88,29 @@ class DraftGate:
         request_smoothing: float = 0.5,
         max_explore_overhead: float = 0.02,
         min_samples: int = 2,
+        explore_fraction: float = 0.125,
+        partial_explore_overhead: float = 0.01,
+        near_ratio: float = 0.9,
     ) -> None:
         if explore_every < 2 or max_explore_interval < explore_every:
             raise ValueError("explore_every must be >= 2 and <= max_explore_interval")
         if not (0.0 < smoothing <= 1.0 and 0.0 < request_smoothing <= 1.0):
             raise ValueError("smoothing and request_smoothing must be in (0, 1]")
-        if not 0.0 < max_explore_overhead < 1.0:
-            raise ValueError("max_explore_overhead must be in (0, 1)")
+        if not (0.0 < max_explore_overhead < 1.0 and 0.0 < partial_explore_overhead < 1.0):
+            raise ValueError("max_explore_overhead and partial_explore_overhead must be in (0, 1)")
+        if not (0.0 < explore_fraction <= 1.0 and 0.0 < near_ratio <= 1.0):
+            raise ValueError("explore_fraction and near_ratio must be in (0, 1]")
         self.explore_every = explore_every
         self.max_explore_interval = max_explore_interval
         self.smoothing = smoothing
         self.request_smoothing = request_smoothing
         self.max_explore_overhead = max_explore_overhead
         self.min_samples = max(1, min_samples)
+        self.explore_fraction = explore_fraction
+        self.partial_explore_overhead = partial_explore_overhead
+        self.near_ratio = near_ratio
+        self._steps = 0
+        self._drafted_at: dict[str, int] = {}  # request id -> the last step it drafted in
         self._buckets: dict[int, _Bucket] = {}
         self._forecast: dict[str, float] = {}  # request id -> tokens per drafting step
         self._prior = _Mean()  # all loads: for a bucket that has not drafted yet
@@ -153,35 +172,60 @@ class DraftGate:
             return fallback * anywhere.value / self._prior.value
         return fallback
 
-    def explore_interval(self, lost: float, best_seconds: float) -> int:
+    def explore_interval(self, lost: float, best_seconds: float, budget: float | None = None) -> int:
         """Steps between explorations so that the time they lose (an exploring step's time minus
-        what the best choice needs for the same tokens) stays within the budget."""
-        steps = lost / (self.max_explore_overhead * best_seconds)
+        what the best choice needs for the same tokens) stays within the budget (a fraction of
+        the time; ``max_explore_overhead`` unless given)."""
+        steps = lost / ((self.max_explore_overhead if budget is None else budget) * best_seconds)
         return min(self.max_explore_interval, max(self.explore_every, math.ceil(steps)))
 
-    def choose(self, request_ids: Sequence[str], regimes: Sequence[float] | None = None) -> bool:
-        """True: draft this step. ``request_ids``: every decoding request of the step;
+    def explore_size(self, num_requests: int) -> int:
+        """Requests that draft in a partial exploration (all of them: no partial exploration)."""
+        return min(num_requests, max(1, math.ceil(self.explore_fraction * num_requests)))
+
+    def choose(self, request_ids: Sequence[str], regimes: Sequence[float] | None = None) -> list[int]:
+        """Which of the step's decoding requests draft (indices into ``request_ids``): all of
+        them, none (a plain step), or a few, exploring while plain steps are the faster choice.
         ``regimes``: their sampling temperatures."""
+        n = len(request_ids)
+        everyone, nobody = list(range(n)), list[int]()
+        self._steps += 1
         live = set(request_ids)
         self._forecast = {rid: f for rid, f in self._forecast.items() if rid in live}
-        b = self._bucket(len(request_ids))
-        if not b.measured(self.min_samples):
-            return b.draft_seconds.count <= b.plain_seconds.count  # warm-up: measure both alike
+        self._drafted_at = {rid: t for rid, t in self._drafted_at.items() if rid in live}
+        b = self._bucket(n)
+        if not b.measured(self.min_samples):  # warm-up: measure both alike
+            return everyone if b.draft_seconds.count <= b.plain_seconds.count else nobody
         draft_rate = self.forecast_tokens(request_ids, regimes) / b.draft_seconds.value
-        plain_rate = len(request_ids) / b.plain_seconds.value
-        draft_best = draft_rate >= plain_rate
-        if draft_best:
-            lost = b.plain_seconds.value * (1.0 - plain_rate / draft_rate)
-            best_seconds = b.draft_seconds.value
-        else:  # exploring a drafting step also pays the catch-up of the plain steps before it
-            switch = b.switch_seconds.value if b.switch_seconds.count else 0.0
-            lost = b.draft_seconds.value * (1.0 - draft_rate / plain_rate) + switch
-            best_seconds = b.plain_seconds.value
+        plain_rate = n / b.plain_seconds.value
         b.since_explore += 1
-        if b.since_explore >= self.explore_interval(lost, best_seconds):
-            b.since_explore = 0
-            return not draft_best
-        return draft_best
+        if draft_rate >= plain_rate:
+            lost = b.plain_seconds.value * (1.0 - plain_rate / draft_rate)
+            if b.since_explore >= self.explore_interval(lost, b.draft_seconds.value):
+                b.since_explore = 0
+                return nobody
+            return everyone
+        # plain is faster; exploring a drafting step also pays the catch-up of the steps before it
+        switch = b.switch_seconds.value if b.switch_seconds.count else 0.0
+        lost = b.draft_seconds.value * (1.0 - draft_rate / plain_rate) + switch
+        few = self.explore_size(n)
+        near = draft_rate >= self.near_ratio * plain_rate
+        interval = self.explore_interval(lost, b.plain_seconds.value)
+        if b.since_explore >= (interval if near or few == n else self.max_explore_interval):
+            b.since_explore = b.since_partial = 0
+            return everyone
+        if few == n:
+            return nobody
+        b.since_partial += 1
+        partial = b.partial_lost.value if b.partial_lost.count else lost * few / n
+        if b.since_partial < self.explore_interval(
+            max(0.0, partial), b.plain_seconds.value, self.partial_explore_overhead
+        ):
+            return nobody
+        b.since_partial = 0
+        # the requests known least: never drafted first (they stand on a prior), then the oldest
+        order = sorted(everyone, key=lambda i: self._drafted_at.get(request_ids[i], -1))
+        return sorted(order[:few])
 
     def record(
         self,
@@ -191,20 +235,31 @@ class DraftGate:
         seconds: float,
         switch_seconds: float = 0.0,
         regimes: Sequence[float] | None = None,
+        num_requests: int | None = None,
     ) -> None:
-        """A finished step: its requests, whether it drafted, the tokens each request emitted
-        (or, better, the plan's calibrated expectation of them: far less noisy than one draw),
-        its time (the decoding share of it, without the catch-up) and, for a drafting step, the
-        catch-up of the context writes earlier plain steps put off."""
+        """A finished step: its requests (the drafting ones, for a drafting step), whether it
+        drafted, the tokens each request emitted (or, better, the plan's calibrated expectation
+        of them: far less noisy than one draw), its time (the decoding share of it, without the
+        catch-up) and, for a drafting step, the catch-up of the context writes earlier plain
+        steps put off. ``num_requests``: the step's decoding requests, when only some drafted
+        (a partial exploration; the others emitted one token each)."""
         if seconds <= 0 or not math.isfinite(seconds) or not request_ids:
             return
-        b = self._bucket(len(request_ids))
+        load = len(request_ids) if num_requests is None else max(num_requests, len(request_ids))
+        key = self.bucket_of(load)
+        b = self._bucket(load)
         if not drafted:
             b.plain_seconds.update(seconds, self.smoothing)
             return
-        b.draft_seconds.update(seconds, self.smoothing)
-        if switch_seconds > 0 and math.isfinite(switch_seconds):
-            b.switch_seconds.update(switch_seconds, self.smoothing)
+        switch = switch_seconds if switch_seconds > 0 and math.isfinite(switch_seconds) else 0.0
+        if load > len(request_ids):  # a few drafted: what that cost against a plain step's tokens
+            if b.plain_seconds.count:
+                same_tokens = b.plain_seconds.value * (sum(tokens) + load - len(request_ids)) / load
+                b.partial_lost.update(seconds + switch - same_tokens, self.smoothing)
+        else:
+            b.draft_seconds.update(seconds, self.smoothing)
+            if switch > 0:
+                b.switch_seconds.update(switch, self.smoothing)
         b.tokens_per_request.update(sum(tokens) / len(tokens), self.smoothing)
         self._prior.update(sum(tokens) / len(tokens), self.smoothing)
         if regimes is not None:
@@ -212,12 +267,13 @@ class DraftGate:
             for regime, n in zip(regimes, tokens, strict=True):
                 by_regime.setdefault(_regime_key(regime), []).append(n)
             for regime, ns in by_regime.items():
-                for key in ((self.bucket_of(len(request_ids)), regime), (0, regime)):  # 0: any load
-                    self._regimes.setdefault(key, _Mean()).update(sum(ns) / len(ns), self.smoothing)
+                for where in ((key, regime), (0, regime)):  # 0: any load
+                    self._regimes.setdefault(where, _Mean()).update(sum(ns) / len(ns), self.smoothing)
         w = self.request_smoothing
         for rid, n in zip(request_ids, tokens, strict=True):
             prior = self._forecast.get(rid, b.tokens_per_request.value)
             self._forecast[rid] = (1 - w) * prior + w * n
+            self._drafted_at[rid] = self._steps
 
     def rates(self) -> dict[int, tuple[float, float]]:
         """bucket -> (drafting tokens/s for a request at the prior, plain tokens/s per request),

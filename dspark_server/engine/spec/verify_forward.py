@@ -1,0 +1,86 @@
+"""The verification forward of a speculative step: every drafting request's block [x0, x1..xℓ],
+the plain decodes' one token each, and the prefill chunks, in one target forward; then rejection
+sampling of the drafted blocks, all requests at once.
+
+Plain decodes are the requests that do not draft this step (the draft gate explores drafting for
+a few of them): their last-token logits rows come back, like a completing prefill chunk's, for
+the engine's plain sampler.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from dspark_server.engine.batch import SeqChunk
+from dspark_server.engine.model_runner import ForwardResult, ModelRunner
+from dspark_server.engine.request import Request
+from dspark_server.engine.sampling import SamplingTensors, sample_from_logits, shape_probs
+from dspark_server.engine.scheduler import ScheduledChunk
+from dspark_server.engine.spec.drafting import Drafts
+from dspark_server.engine.spec.verify import VerifyOutcome, verify_greedy, verify_padded
+
+
+@dataclass(frozen=True)
+class VerifiedForward:
+    forward: ForwardResult
+    outcome: VerifyOutcome  # of the drafting requests
+    plain_rows: list[int]  # logits row of each plain decode, in order
+    prefill_rows: list[int]  # logits row of each completing prefill chunk's last token, in order
+
+
+def verify_forward(
+    runner: ModelRunner,
+    decodes: list[Request],
+    plain: list[Request],
+    prefills: list[ScheduledChunk],
+    drafts: Drafts,
+    lens: list[int],
+    sampling: SamplingTensors,
+    capture_layers: tuple[int, ...],
+) -> VerifiedForward:
+    """``decodes`` verify their first ``lens`` drafts; ``sampling`` is theirs."""
+    chunks = [
+        SeqChunk(
+            r.table,
+            r.num_computed,
+            [r.last_token_id] + drafts.tokens[i, :ell].tolist() if ell else [r.last_token_id],
+        )
+        for i, (r, ell) in enumerate(zip(decodes, lens, strict=True))
+    ]
+    chunks += [SeqChunk(r.table, r.num_computed, [r.last_token_id]) for r in plain]
+    chunks += [SeqChunk(c.request.table, c.start, c.token_ids) for c in prefills]
+    tail = [ell + 1 for ell in lens] + [1] * len(plain) + [1 if c.completes else 0 for c in prefills]
+    forward = runner.forward(chunks, tail, capture_layers=capture_layers)
+    logits = forward.output.logits
+    ends = torch.tensor(tail, dtype=torch.long).cumsum(0).tolist()
+    starts = [0] + ends[:-1]
+    n = len(decodes)
+    if not any(lens):  # nothing to verify: the plain path's sampler, as is
+        last = logits[torch.tensor(starts[:n])]
+        gens, keys = [r.generator for r in decodes], [r.noise_key for r in decodes]
+        outcome = VerifyOutcome([0] * n, sample_from_logits(last, sampling, gens, keys).tolist())
+    else:
+        # Every request's ℓ_r + 1 rows, padded to the step's widest block: [R, L + 1].
+        width = max(lens) + 1
+        index = torch.tensor(starts[:n])[:, None] + torch.arange(width)[None, :]
+        index = torch.minimum(index, torch.tensor(ends[:n])[:, None] - 1)
+        if sampling.all_greedy:  # accept while the draft equals the target argmax
+            outcome = verify_greedy(drafts.tokens, logits.argmax(dim=-1)[index], lens)
+        else:
+            rows = logits[index]  # [R, L + 1, V]
+            flat = shape_probs(
+                rows.reshape(-1, rows.shape[-1]), sampling.repeat_rows(torch.full((n,), width))
+            )
+            outcome = verify_padded(
+                drafts.tokens,
+                drafts.probs,
+                flat.reshape(rows.shape),
+                lens,
+                [r.generator for r in decodes],
+                [r.noise_key for r in decodes],
+            )
+    plain_rows = starts[n : n + len(plain)]
+    completing = [s for s, c in zip(starts[n + len(plain) :], prefills, strict=True) if c.completes]
+    return VerifiedForward(forward, outcome, plain_rows, completing)

@@ -1,0 +1,43 @@
+"""The distributions sampling draws from: temperature-only batches take a short path, which must
+give what the general path (temperature, top-k, top-p, greedy rows) gives for the same rows."""
+
+from __future__ import annotations
+
+import torch
+from chi_square import chi_square_gof
+
+from dspark_server.engine.request import SamplingParams
+from dspark_server.engine.sampling import SamplingTensors, sample_from_logits, shape_probs
+
+
+def test_temperature_only_rows_are_shaped_as_in_a_mixed_batch() -> None:
+    torch.manual_seed(0)
+    logits = torch.randn(5, 50) * 3
+    temps = [0.6, 1.0, 1.7]
+    alone = SamplingTensors.from_params([SamplingParams(temperature=t) for t in temps])
+    assert not (alone.any_greedy or alone.any_top_k or alone.any_top_p)
+    mixed_params = [SamplingParams(temperature=t) for t in temps]
+    mixed_params += [SamplingParams(temperature=0.0), SamplingParams(temperature=0.8, top_k=3, top_p=0.9)]
+    mixed = SamplingTensors.from_params(mixed_params)
+    assert mixed.any_greedy and mixed.any_top_k and mixed.any_top_p and not mixed.all_greedy
+    short = shape_probs(logits[:3], alone)
+    general = shape_probs(logits, mixed)
+    torch.testing.assert_close(short, general[:3], rtol=0, atol=0)
+    torch.testing.assert_close(short, torch.softmax(logits[:3] / torch.tensor(temps)[:, None], dim=-1))
+    assert general[3].max() == 1.0 and int(general[3].argmax()) == int(logits[3].argmax())
+    assert int((general[4] > 0).sum()) <= 3
+
+
+def test_sampling_at_a_low_temperature_follows_the_sharpened_distribution() -> None:
+    torch.manual_seed(1)
+    logits = torch.randn(12) * 2
+    rows = 6000
+    params = [SamplingParams(temperature=0.5)] * rows
+    gens = [torch.Generator().manual_seed(i) for i in range(rows)]
+    draws = sample_from_logits(logits.expand(rows, -1), SamplingTensors.from_params(params), gens)
+    exact = torch.softmax(logits.double() / 0.5, dim=-1)
+    result = chi_square_gof(draws.tolist(), {i: float(p) for i, p in enumerate(exact)})
+    assert result.p_value > 1e-3, str(result)
+    at_one = torch.softmax(logits.double(), dim=-1)
+    wrong = chi_square_gof(draws.tolist(), {i: float(p) for i, p in enumerate(at_one)})
+    assert wrong.p_value < 1e-6  # the test can tell temperature 0.5 from 1
