@@ -101,6 +101,11 @@ class SurvivalMap:
 
     score: tuple[tuple[float, ...], ...]
     survival: tuple[tuple[float, ...], ...]
+    _lo: np.ndarray = field(init=False, repr=False, compare=False)
+    _hi: np.ndarray = field(init=False, repr=False, compare=False)
+    _shift: np.ndarray = field(init=False, repr=False, compare=False)
+    _xs: np.ndarray = field(init=False, repr=False, compare=False)
+    _ys: np.ndarray = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         if len(self.score) != len(self.survival) or not self.score:
@@ -118,6 +123,19 @@ class SurvivalMap:
             ys_all.append(ys)
         object.__setattr__(self, "score", tuple(xs_all))
         object.__setattr__(self, "survival", tuple(ys_all))
+        # every position's knots on one axis, position k's shifted past position k-1's, so that
+        # one np.interp call maps a whole [R, gamma] array (inputs clipped to their own position's
+        # knots first: flat outside, as position by position)
+        lo = np.array([xs[0] for xs in xs_all])
+        hi = np.array([xs[-1] for xs in xs_all])
+        shift = np.concatenate([[0.0], np.cumsum(hi - lo + 1.0)[:-1]]) - lo
+        object.__setattr__(self, "_lo", lo)
+        object.__setattr__(self, "_hi", hi)
+        object.__setattr__(self, "_shift", shift)
+        object.__setattr__(
+            self, "_xs", np.concatenate([np.asarray(xs) + shift[k] for k, xs in enumerate(xs_all)])
+        )
+        object.__setattr__(self, "_ys", np.concatenate([np.asarray(ys) for ys in ys_all]))
 
     @property
     def gamma(self) -> int:
@@ -132,6 +150,10 @@ class SurvivalMap:
     def at(self, k: int, x: np.ndarray) -> np.ndarray:
         """Position k's map on float64 inputs: piecewise-linear through the knots, flat outside."""
         return np.interp(x, self.score[k], self.survival[k])
+
+    def at_all(self, x: np.ndarray) -> np.ndarray:
+        """Every position's map at once on a float64 [R, gamma] array (column k: position k)."""
+        return np.interp(np.clip(x, self._lo, self._hi) + self._shift, self._xs, self._ys)
 
     def to_dict(self) -> dict[str, Any]:
         return {"score": [list(x) for x in self.score], "survival": [list(y) for y in self.survival]}
@@ -253,10 +275,7 @@ class RegimeCalibration:
         scores = np.cumsum(-np.logaddexp(0.0, -z), axis=1)  # log sigmoid, summed over k
         if self.survival_map is None:
             return np.exp(scores)
-        g = self.survival_map
-        first = np.empty_like(scores)
-        for k in range(self.gamma):
-            first[:, k] = g.at(k, scores[:, k])
+        first = self.survival_map.at_all(scores)
         if self.capped_map is None:
             return np.minimum.accumulate(first, axis=1)
         h, prev = self.capped_map, np.ones(len(first))

@@ -191,10 +191,19 @@ class CalibrationDriftTracker:
         )
         if acc.shape[0] != pred.shape[0] or lens.shape[0] != pred.shape[0]:
             raise ValueError("predicted_survival, accepted and verify_lens disagree on R")
+        observed = lens[:, None] > np.arange(self._gamma)[None, :]  # [R, gamma]
+        per_position = observed.sum(axis=0)
         with self._lock:
-            for k in range(self._gamma):
-                observed = lens > k
-                self._append(k, pred[observed, k], (acc[observed] > k).astype(np.float64))
+            if int(per_position.max(initial=0)) > self._window:  # more than a window at once
+                for k in range(self._gamma):
+                    self._append(k, pred[observed[:, k], k], (acc[observed[:, k]] > k).astype(np.float64))
+                return
+            rows, cols = np.nonzero(observed)  # one ring write for every observed (r, k)
+            rank = (np.cumsum(observed, axis=0) - 1)[rows, cols]
+            slots = (self._count[cols] + rank) % self._window
+            self._pred[cols, slots] = pred[rows, cols]
+            self._real[cols, slots] = acc[rows] > cols
+            self._count += per_position
 
     def _append(self, k: int, pred: np.ndarray, real: np.ndarray) -> None:
         n = pred.shape[0]

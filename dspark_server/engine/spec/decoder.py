@@ -274,7 +274,9 @@ class SpeculativeDecoder:
         # keep learning instead of freezing on the rare prefill-free steps.
         prefill_s = forward.seconds * prefill_tokens / max(1, forward.batch.num_tokens)
         step_s = step_seconds - prefill_s
-        if self.gate is not None:
+        if self.gate is not None and not drafted:
+            self.gate.record_plain(len(decodes), step_s)
+        elif self.gate is not None:
             ids, regimes = [r.request_id for r in decodes], [r.params.temperature for r in decodes]
             self.gate.record(ids, drafted, tokens, step_s, switch_seconds, regimes, num_requests)
         if self.overhead is not None and (num_requests is None or num_requests == len(decodes)):
@@ -416,7 +418,7 @@ class SpeculativeDecoder:
         (``fit_roofline``); the method doc's cost model uses the measured probes as they are."""
         return fit_roofline(table) if self.overhead is not None else monotone_envelope(table)
 
-    def _refresh_sps_table(self, every: int = 16) -> None:
+    def _refresh_sps_table(self, every: int = 64) -> None:
         """Hand the planner the live-refreshed curve; it moves slowly, so every few steps."""
         self._steps_since_refresh += 1
         if self.live_sps is None or self._steps_since_refresh < every:

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 import numpy as np
 import torch
@@ -28,13 +29,13 @@ from dspark_server.engine.kv_cache import PageAllocator
 from dspark_server.engine.request import Request, Status
 
 
-@dataclass(frozen=True)
-class Run:
-    """``count`` new tokens of one request at positions ``start..``: consecutive feature rows."""
+class Run(NamedTuple):
+    """``num_tokens`` new tokens of one request at positions ``start..``: consecutive feature rows
+    (a tuple: plain steps make one per decoding request)."""
 
     request: Request
     start: int
-    count: int = 1
+    num_tokens: int = 1
 
 
 @dataclass
@@ -44,8 +45,7 @@ class _DeferredStep:
     live: int = 0  # runs not yet taken or forgotten
 
 
-@dataclass(frozen=True)
-class _Pending:
+class _Pending(NamedTuple):
     step: int  # key of its _DeferredStep
     row: int  # its first feature row in that step
     run: Run
@@ -86,7 +86,7 @@ class DeferredContext:
 
     def pending(self, request: Request) -> int:
         """Rows of ``request`` waiting to be written."""
-        return sum(p.run.count for p in self._pending.get(id(request), ()))
+        return sum(p.run.num_tokens for p in self._pending.get(id(request), ()))
 
     def defer(self, runs: Sequence[Run], features: torch.Tensor) -> bool:
         """Keep one step's rows (``features`` [sum of counts, F], the runs' rows in order). True:
@@ -95,10 +95,14 @@ class DeferredContext:
         key, self._next_key = self._next_key, self._next_key + 1
         self._steps[key] = _DeferredStep(list(runs), features, len(runs))
         self._bytes += features.numel() * features.element_size()
-        row = 0
+        row, pending = 0, self._pending
         for run in runs:
-            self._pending.setdefault(id(run.request), []).append(_Pending(key, row, run))
-            row += run.count
+            rows = pending.get(id(run.request))
+            if rows is None:
+                pending[id(run.request)] = [_Pending(key, row, run)]
+            else:
+                rows.append(_Pending(key, row, run))
+            row += run.num_tokens
         return len(self._steps) >= self.max_steps or self._bytes >= self.max_bytes
 
     def take(self, alloc: PageAllocator, only: Iterable[Request] | None = None) -> ContextWrites | None:
@@ -116,7 +120,11 @@ class DeferredContext:
             req = rows[0].run.request
             count = 0
             for p in rows:
-                keep = min(p.run.count, req.num_computed - p.run.start) if req.status is Status.RUNNING else 0
+                keep = (
+                    min(p.run.num_tokens, req.num_computed - p.run.start)
+                    if req.status is Status.RUNNING
+                    else 0
+                )
                 if keep > 0:
                     picked.segments.append((p.step, p.row, keep))
                     picked.position_starts.append(p.run.start)

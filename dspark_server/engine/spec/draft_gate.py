@@ -190,9 +190,10 @@ class DraftGate:
         n = len(request_ids)
         everyone, nobody = list(range(n)), list[int]()
         self._steps += 1
-        live = set(request_ids)
-        self._forecast = {rid: f for rid, f in self._forecast.items() if rid in live}
-        self._drafted_at = {rid: t for rid, t in self._drafted_at.items() if rid in live}
+        if len(self._forecast) > n or len(self._drafted_at) > n or self._steps % 64 == 0:
+            live = set(request_ids)  # requests that left take their forecasts along
+            self._forecast = {rid: f for rid, f in self._forecast.items() if rid in live}
+            self._drafted_at = {rid: t for rid, t in self._drafted_at.items() if rid in live}
         b = self._bucket(n)
         if not b.measured(self.min_samples):  # warm-up: measure both alike
             return everyone if b.draft_seconds.count <= b.plain_seconds.count else nobody
@@ -246,11 +247,11 @@ class DraftGate:
         if seconds <= 0 or not math.isfinite(seconds) or not request_ids:
             return
         load = len(request_ids) if num_requests is None else max(num_requests, len(request_ids))
+        if not drafted:
+            self.record_plain(load, seconds)
+            return
         key = self.bucket_of(load)
         b = self._bucket(load)
-        if not drafted:
-            b.plain_seconds.update(seconds, self.smoothing)
-            return
         switch = switch_seconds if switch_seconds > 0 and math.isfinite(switch_seconds) else 0.0
         if load > len(request_ids):  # a few drafted: what that cost against a plain step's tokens
             if b.plain_seconds.count:
@@ -274,6 +275,11 @@ class DraftGate:
             prior = self._forecast.get(rid, b.tokens_per_request.value)
             self._forecast[rid] = (1 - w) * prior + w * n
             self._drafted_at[rid] = self._steps
+
+    def record_plain(self, num_requests: int, seconds: float) -> None:
+        """A finished plain step of ``num_requests`` decoding requests (its decoding share of time)."""
+        if seconds > 0 and math.isfinite(seconds) and num_requests > 0:
+            self._bucket(num_requests).plain_seconds.update(seconds, self.smoothing)
 
     def rates(self) -> dict[int, tuple[float, float]]:
         """bucket -> (drafting tokens/s for a request at the prior, plain tokens/s per request),
