@@ -22,7 +22,7 @@ from test_api_support import LoggedServer, scrape, start, value, wait_for, wait_
 
 from dspark_server.models.tokenizer import Tokenizer
 
-MAX_MODEL_LEN = 1024
+MAX_MODEL_LEN = 4096  # the tiny model's positions: a holder outlives the queue timeout by far
 MAX_PROMPT_CHARS = 1_000_000
 HEADER_TIMEOUT, BODY_TIMEOUT, IDLE_TIMEOUT = 1.0, 2.0, 1.0
 MAX_CONNECTIONS = 48
@@ -32,7 +32,7 @@ QUEUE_TIMEOUT, KEEPALIVE = 0.8, 0.15
 @pytest.fixture(scope="module")
 def server(tiny_model: Path) -> Iterator[LoggedServer]:
     s = start(
-        ["--model", str(tiny_model), "--max-model-len", str(MAX_MODEL_LEN), "--num-pages", "400"]
+        ["--model", str(tiny_model), "--max-model-len", str(MAX_MODEL_LEN), "--num-pages", "1600"]
         + ["--max-running", "1", "--max-queued", "4", "--max-prompt-chars", str(MAX_PROMPT_CHARS)]
         + ["--header-timeout", str(HEADER_TIMEOUT), "--body-timeout", str(BODY_TIMEOUT)]
         + ["--idle-timeout", str(IDLE_TIMEOUT), "--max-connections", str(MAX_CONNECTIONS)]

@@ -26,7 +26,9 @@ def _warm(gate: DraftGate, ids: list[str], draft: tuple[int, float], plain_s: fl
 
 
 def test_gate_measures_both_then_follows_the_faster_and_explores() -> None:
-    gate = DraftGate(explore_every=4, max_explore_interval=4, max_explore_overhead=0.5, min_samples=1)
+    gate = DraftGate(
+        explore_every=4, max_explore_interval=4, max_explore_overhead=0.5, min_samples=1, prior_samples=0
+    )
     _warm(gate, IDS8, (10, 1.0), 1.0)  # drafting: 80 tokens/s, plain: 8 tokens/s
     picks = [drafts_all(gate, IDS8) for _ in range(8)]
     # every explore_every-th step goes to the slower choice
@@ -50,7 +52,9 @@ def test_one_hard_request_does_not_switch_drafting_off_for_the_next() -> None:
     # the c=1 failure on the widened twin: the first request accepted nothing for its first
     # drafting steps, and the gate, averaging all requests of the load bucket, chose plain for
     # every later request too
-    gate = DraftGate(min_samples=2, request_smoothing=0.5, smoothing=0.05, max_explore_interval=64)
+    gate = DraftGate(
+        min_samples=2, request_smoothing=0.5, smoothing=0.05, max_explore_interval=64, prior_samples=0
+    )
     for _ in range(2):
         drafts_all(gate, ["hard"])
         gate.record(["hard"], True, [1], 0.100)
@@ -74,7 +78,9 @@ def test_costly_exploration_is_rare_but_bounded() -> None:
     # interval cap (64) keeps the forecast fresh at a bounded cost
     # (explore_fraction 1: no partial exploration, whole drafting steps only)
     ids = [f"r{i}" for i in range(64)]
-    gate = DraftGate(explore_every=4, max_explore_interval=256, min_samples=1, explore_fraction=1.0)
+    gate = DraftGate(
+        explore_every=4, max_explore_interval=256, min_samples=1, explore_fraction=1.0, prior_samples=0
+    )
     drafts_all(gate, ids)
     gate.record(ids, True, [1] * 52 + [2] * 12, 0.060)  # 76 tokens, 1.1875 per request
     drafts_all(gate, ids)
@@ -93,7 +99,13 @@ def test_while_plain_is_faster_a_few_requests_explore_drafting_for_all() -> None
     for the 8 requests known least (in a step where the rest take plain tokens) costs a fraction
     of it, and keeps every request's forecast and the regime's prior learning."""
     ids = [f"r{i}" for i in range(64)]
-    gate = DraftGate(explore_every=4, max_explore_interval=256, min_samples=1, partial_explore_overhead=0.01)
+    gate = DraftGate(
+        explore_every=4,
+        max_explore_interval=256,
+        min_samples=1,
+        partial_explore_overhead=0.01,
+        prior_samples=0,
+    )
     assert gate.choose(ids) == list(range(64))  # warm-up: one of each
     gate.record(ids, True, [1] * 52 + [2] * 12, 0.060, regimes=[1.0] * 64)
     assert gate.choose(ids) == []
@@ -150,7 +162,8 @@ def test_warm_up_measures_both_choices_before_one_slow_step_can_decide() -> None
         gate.record(["a"], drafted, [tokens], seconds)
     assert picks == [True, False, True, False, True, False]  # alternating until 3 of each
     draft_rate, plain_rate = gate.rates()[DraftGate.bucket_of(1)]
-    assert draft_rate == pytest.approx((11 / 3) / 0.020) and plain_rate == pytest.approx(1 / 0.007)
+    # step times start from the median of their first samples: the cold 30 ms step is left out
+    assert draft_rate == pytest.approx((11 / 3) / 0.015) and plain_rate == pytest.approx(1 / 0.007)
     assert drafts_all(gate, ["a"]) is True  # a's own forecast: 0.5 * (0.5 * prior + 0.5 * 1) ... ≈ 4
 
 
@@ -170,3 +183,57 @@ def test_a_newcomer_starts_from_its_sampling_regimes_prior() -> None:
     eight = [f"m{i}" for i in range(8)]
     gate.record(eight, True, [2.0] * 8, 0.2)  # regimes unknown: the bucket mean is 2.0
     assert gate.forecast_tokens([f"n{i}" for i in range(8)], [0.0] * 8) == pytest.approx(8 * 2.0 * 5.0 / 2.0)
+
+
+def test_forecasts_are_corrected_by_what_drafting_kept_per_regime() -> None:
+    # the greedy calibration underestimates acceptance on this traffic (plans expect 2 tokens,
+    # requests keep 3): drafting (3 tokens in 2.5 plain steps' time) pays, though the plans'
+    # expectation alone (2 tokens) says it does not; sampled requests keep what they expect
+    gate = DraftGate(min_samples=1, smoothing=1.0, request_smoothing=0.5)
+    ids = ["g1", "g2", "s1", "s2"]
+    regimes = [0.0, 0.0, 1.0, 1.0]
+    gate.record(ids, True, [2.0, 2.0, 1.5, 1.5], 0.025, regimes=regimes, kept=[3, 3, 1.5, 1.5])
+    gate.record(ids, False, [1] * 4, 0.010)
+    assert gate.realised_ratio(0.0) == pytest.approx(1.5) and gate.realised_ratio(1.0) == pytest.approx(1.0)
+    assert gate.realised_ratio(0.7) == 1.0  # not measured: no correction
+    assert gate.forecast_tokens(["g1"], [0.0]) == pytest.approx((0.5 * 1.75 + 0.5 * 2.0) * 1.5)  # own EMA
+    assert gate.forecast_tokens(["s1"], [1.0]) == pytest.approx(0.5 * 1.75 + 0.5 * 1.5)
+    greedy = ["n1", "n2", "n3", "n4"]
+    assert gate.choose(greedy, [0.0] * 4) == [0, 1, 2, 3]  # 12 tokens / 25 ms beat 4 / 10 ms
+    assert gate.choose(["m1", "m2", "m3", "m4"], [1.0] * 4) == []  # 6 / 25 ms do not
+    # without the kept tokens there is nothing to correct by
+    plain = DraftGate(min_samples=1, smoothing=1.0)
+    plain.record(ids, True, [2.0, 2.0, 1.5, 1.5], 0.025, regimes=regimes)
+    assert plain.realised_ratio(0.0) == 1.0
+
+
+def test_newcomers_are_explored_while_their_prior_rests_on_few_samples() -> None:
+    # a fresh server's first request (a short warm-up prompt) accepted little: on that prior
+    # alone, every later request stayed on plain steps and the prior never learnt otherwise
+    gate = DraftGate(explore_every=4, min_samples=1, prior_samples=3, smoothing=0.05)
+    gate.choose(["warm"], [0.0])
+    gate.record(["warm"], True, [1.2], 0.004, regimes=[0.0], kept=[1])
+    gate.choose(["warm"], [0.0])
+    gate.record(["warm"], False, [1], 0.001)
+    drafted, first = [], []
+    for name in ("a", "b", "c"):
+        picks = []
+        for _ in range(6):
+            picks.append(bool(gate.choose([name], [0.0])))
+            if picks[-1]:  # it drafted: 5.5 tokens expected, 6 kept, as code at temperature 0
+                gate.record([name], True, [5.5], 0.004, regimes=[0.0], kept=[6])
+            else:
+                gate.record([name], False, [1], 0.001)
+        drafted.append(sum(picks))
+        first.append(picks.index(True))
+    # a: plain on the weak prior (1.2 tokens < 4, a drafting step's time in plain steps), then
+    # explored at its 4th step; its own forecast pays from then on. The prior has learnt too:
+    # b and c draft from the start (but for the plain step explored now and then)
+    assert first[0] == 3 and drafted[0] == 3 and min(first[1:]) <= 1 and min(drafted[1:]) >= 4
+    # a regime whose prior is settled is not explored for each newcomer
+    settled = DraftGate(explore_every=4, min_samples=1, prior_samples=2)
+    for _ in range(2):
+        settled.choose(["s"], [1.0])
+        settled.record(["s"], True, [1.1], 0.004, regimes=[1.0])
+    settled.record(["s"], False, [1], 0.001)
+    assert not any(settled.choose(["new"], [1.0]) for _ in range(8))

@@ -210,3 +210,35 @@ def test_metric_names_follow_the_conventions(server: LoggedServer) -> None:
         if kind == "counter":
             assert name.endswith("_total") and all(x == name for x in samples), (name, samples)
     assert family_total(scrape(server.base_url), "dspark_requests_total") > 0
+
+
+def test_the_draft_gate_exports_both_rates_of_the_loads_it_has_seen(tmp_path: Path) -> None:
+    """With the draft gate on (the default), each load bucket it decided at shows a request's
+    tokens per second in drafting and in plain steps, measured: one request at a time here."""
+    target = build_tiny_model(tmp_path / "target", layers=2, with_eos=False, seed=5, vocab_size=24)
+    draft = build_tiny_drafter(target, tmp_path / "draft", gamma=GAMMA, seed=6)
+    profile = tmp_path / "sps.json"
+    profile.write_text(
+        json.dumps(
+            {"sample_batch_tokens": PROBES, "sample_steps_per_sec": [50.0] * 4, "max_batch_tokens": 512}
+        )
+    )
+    args = ["--model", str(target), "--draft", str(draft), "--spec-mode", "dspark", "--profile", str(profile)]
+    s = start(args + ["--max-model-len", "256"])
+    try:
+        assert family_total(scrape(s.base_url), "dspark_draft_gate_tokens_per_second") == 0  # nothing yet
+        client = openai.OpenAI(base_url=f"{s.base_url}/v1", api_key="x", max_retries=0)
+        model = client.models.list().data[0].id
+        client.completions.create(model=model, prompt=[5, 6, 7, 8], max_tokens=24, temperature=0)
+        after = scrape(s.base_url)
+        draft_rate = value(after, "dspark_draft_gate_tokens_per_second", running="1", choice="draft")
+        plain_rate = value(after, "dspark_draft_gate_tokens_per_second", running="1", choice="plain")
+        # a tiny model's plain step takes well under 100 ms, well over 10 us
+        assert 10 < plain_rate < 100_000 and 0 < draft_rate < 100_000, (draft_rate, plain_rate)
+        steps = {
+            c: value(after, "dspark_spec_steps_total", running="1", choice=c)
+            for c in ("plain", "drafts", "none")
+        }
+        assert steps["plain"] >= 1 and steps["drafts"] + steps["none"] >= 1  # warm-up measured both
+    finally:
+        s.stop()

@@ -315,7 +315,24 @@ def test_drafter_block_logits_markov_bias_and_confidences_equal(pairs: Pairs, he
 
 
 def _engine(target: Path, draft: Path | None, mode: str) -> LLMEngine:
-    spec = SpeculativeConfig(mode=mode if draft else "off", draft_gate=False, price_step_overhead=False)  # type: ignore[arg-type]
+    # a flat SPS profile (verifying more costs nothing): the planner's choices do not depend on
+    # start-up timings, so dspark mode verifies drafts on every machine
+    profile = target.parent / "flat_sps.json"
+    profile.write_text(
+        json.dumps(
+            {
+                "sample_batch_tokens": [1, 8, 64, 512],
+                "sample_steps_per_sec": [50.0] * 4,
+                "max_batch_tokens": 512,
+            }
+        )
+    )
+    spec = SpeculativeConfig(
+        mode=mode if draft else "off",  # type: ignore[arg-type]
+        draft_gate=False,
+        price_step_overhead=False,
+        profile_path=str(profile),
+    )
     cfg = EngineConfig(
         model_dir=str(target), draft_dir=str(draft) if draft else None, dtype="float32", spec=spec
     )

@@ -23,6 +23,9 @@ class SpecSnapshot:
     gamma: int
     sps_curve: list[LiveSpsPoint] = field(default_factory=list)  # empty: no SPS table (not dspark)
     drift: list[PositionDrift] = field(default_factory=list)
+    # dspark mode's draft gate, per load bucket (lowest load of the bucket): a request's tokens per
+    # second in drafting steps (at the bucket's mean forecast) and in plain steps
+    gate_rates: dict[int, tuple[float, float]] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)

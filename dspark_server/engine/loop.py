@@ -154,8 +154,13 @@ class NativeBackend:
         if spec is None:
             return None
         curve = spec.live_sps.curve() if spec.live_sps is not None else []
+        rates = spec.gate.rates() if spec.gate is not None else {}
         return SpecSnapshot(
-            mode=self.engine.cfg.spec.mode, gamma=spec.gamma, sps_curve=curve, drift=spec.drift.summary()
+            mode=self.engine.cfg.spec.mode,
+            gamma=spec.gamma,
+            sps_curve=curve,
+            drift=spec.drift.summary(),
+            gate_rates={1 << (bucket - 1): r for bucket, r in rates.items()},
         )
 
     def start(self) -> None:

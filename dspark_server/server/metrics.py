@@ -23,6 +23,8 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 from prometheus_client.registry import Collector
 
+from dspark_server.engine.stats import load_bucket
+
 if TYPE_CHECKING:
     from dspark_server.engine.backend import Backend
     from dspark_server.engine.stats import EngineStats
@@ -292,6 +294,21 @@ def _spec_families(backend: Backend) -> Iterator[Metric]:
         "Mean tokens emitted per round since start (SGLang's spec_accept_length).",
         mean_acc,
     )
+
+    if spec.mode == "dspark":  # (no samples with --no-draft-gate)
+        gate = GaugeMetricFamily(
+            "dspark_draft_gate_tokens_per_second",
+            "dspark mode's draft gate: tokens per second of one request in drafting steps (at the "
+            "load bucket's mean forecast) and in plain steps, by load (decoding requests, "
+            "power-of-two bucket); it drafts for everyone where drafting's is higher.",
+            labels=["running", "choice"],
+        )
+        for low, (draft_rate, plain_rate) in sorted(spec.gate_rates.items()):
+            bucket = load_bucket(low)
+            for choice, rate in (("draft", draft_rate), ("plain", plain_rate)):
+                if math.isfinite(rate):
+                    gate.add_metric([bucket, choice], rate)
+        yield gate
 
     if spec.sps_curve:
         families = {

@@ -247,6 +247,7 @@ class SpeculativeDecoder:
             step_seconds - catch_up,
             catch_up,
             len(result.decodes) + len(result.plain),
+            kept if result.expected_tokens is not None else None,
         )
 
     def record_plain(
@@ -266,6 +267,7 @@ class SpeculativeDecoder:
         step_seconds: float,
         switch_seconds: float = 0.0,
         num_requests: int | None = None,
+        kept: Sequence[int] | None = None,
     ) -> None:
         if not decodes:
             return
@@ -278,7 +280,7 @@ class SpeculativeDecoder:
             self.gate.record_plain(len(decodes), step_s)
         elif self.gate is not None:
             ids, regimes = [r.request_id for r in decodes], [r.params.temperature for r in decodes]
-            self.gate.record(ids, drafted, tokens, step_s, switch_seconds, regimes, num_requests)
+            self.gate.record(ids, drafted, tokens, step_s, switch_seconds, regimes, num_requests, kept)
         if self.overhead is not None and (num_requests is None or num_requests == len(decodes)):
             self.overhead.record(len(decodes), step_s, forward.seconds - prefill_s, draft_seconds)
 

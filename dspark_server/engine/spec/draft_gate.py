@@ -41,6 +41,7 @@ draft changes speed, not the output distribution.
 from __future__ import annotations
 
 import math
+import statistics
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
@@ -65,9 +66,32 @@ class _Mean:
 
 
 @dataclass
+class _StepTime(_Mean):
+    """A step time's moving average, robust while it starts: the median of the first 1/smoothing
+    samples (their minimum below three), then the moving average. The first steps of a fresh
+    server are several times slower (cold caches, first allocations); averaged in, they made
+    drafting look dear for hundreds of steps, and exploring it rare for as long."""
+
+    first: list[float] = field(default_factory=list)
+
+    @classmethod
+    def seeded(cls, value: float, count: int) -> _StepTime:
+        return cls(value, count, [value] * count)
+
+    def update(self, x: float, smoothing: float) -> None:
+        self.count += 1
+        if self.count > round(1.0 / smoothing):
+            self.first.clear()
+            self.value = (1 - smoothing) * self.value + smoothing * x
+            return
+        self.first.append(x)
+        self.value = min(self.first) if len(self.first) < 3 else statistics.median(self.first)
+
+
+@dataclass
 class _Bucket:
-    draft_seconds: _Mean = field(default_factory=_Mean)
-    plain_seconds: _Mean = field(default_factory=_Mean)
+    draft_seconds: _StepTime = field(default_factory=_StepTime)
+    plain_seconds: _StepTime = field(default_factory=_StepTime)
     tokens_per_request: _Mean = field(default_factory=_Mean)  # in drafting steps: the prior
     switch_seconds: _Mean = field(default_factory=_Mean)  # catch-up of a drafting step after plain ones
     partial_lost: _Mean = field(default_factory=_Mean)  # what drafting for a few costs, vs plain
@@ -91,6 +115,7 @@ class DraftGate:
         explore_fraction: float = 0.125,
         partial_explore_overhead: float = 0.01,
         near_ratio: float = 0.9,
+        prior_samples: int = 20,
     ) -> None:
         if explore_every < 2 or max_explore_interval < explore_every:
             raise ValueError("explore_every must be >= 2 and <= max_explore_interval")
@@ -109,12 +134,18 @@ class DraftGate:
         self.explore_fraction = explore_fraction
         self.partial_explore_overhead = partial_explore_overhead
         self.near_ratio = near_ratio
+        self.prior_samples = prior_samples
         self._steps = 0
         self._drafted_at: dict[str, int] = {}  # request id -> the last step it drafted in
         self._buckets: dict[int, _Bucket] = {}
         self._forecast: dict[str, float] = {}  # request id -> tokens per drafting step
         self._prior = _Mean()  # all loads: for a bucket that has not drafted yet
         self._regimes: dict[tuple[int, float], _Mean] = {}  # (bucket or 0 = any, regime) -> prior
+        # per (load bucket or 0 = any, regime): tokens drafting steps kept vs the tokens their
+        # plans expected (calibration off the traffic's distribution shows here first, and
+        # differently at each load: plans verify other positions; forecasts are scaled by it)
+        self._kept: dict[tuple[int, float], _Mean] = {}
+        self._expected: dict[tuple[int, float], _Mean] = {}
 
     @staticmethod
     def bucket_of(num_requests: int) -> int:
@@ -137,8 +168,8 @@ class DraftGate:
         near = min(warm, key=lambda k: abs(k - key))
         src, scale = self._buckets[near], 2.0 ** (key - near)
         return _Bucket(
-            _Mean(src.draft_seconds.value * scale, self.min_samples),
-            _Mean(src.plain_seconds.value * scale, self.min_samples),
+            _StepTime.seeded(src.draft_seconds.value * scale, self.min_samples),
+            _StepTime.seeded(src.plain_seconds.value * scale, self.min_samples),
             _Mean(src.tokens_per_request.value, self.min_samples),
         )
 
@@ -151,11 +182,29 @@ class DraftGate:
             prior = self._prior.value
         if regimes is None:
             return sum(self._forecast.get(rid, prior) for rid in request_ids)
-        total = 0.0
+        total, ratios = 0.0, dict[float, float]()
         for rid, regime in zip(request_ids, regimes, strict=True):
             f = self._forecast.get(rid)
-            total += f if f is not None else self._regime_prior(key, regime, prior)
+            f = f if f is not None else self._regime_prior(key, regime, prior)
+            r = ratios.get(regime)
+            if r is None:
+                r = ratios[regime] = self.realised_ratio(regime, len(request_ids))
+            total += f * r
         return total
+
+    def realised_ratio(self, regime: float, num_requests: int | None = None) -> float:
+        """Tokens kept / tokens expected by the plans, over recent drafting steps of requests of
+        this sampling regime at this load (at any load until this one has ``min_samples``
+        steps; 1 until measured; within [1/2, 2])."""
+        key = _regime_key(regime)
+        for bucket in ((self.bucket_of(num_requests),) if num_requests else ()) + (0,):
+            kept, expected = self._kept.get((bucket, key)), self._expected.get((bucket, key))
+            if kept is None or expected is None or not expected.value > 0:
+                continue
+            if bucket and kept.count < self.min_samples:
+                continue
+            return min(2.0, max(0.5, kept.value / expected.value))
+        return 1.0
 
     def _regime_prior(self, bucket: int, regime: float, fallback: float) -> float:
         """A newcomer's prior: the mean of requests of its sampling regime at this load; else the
@@ -205,11 +254,20 @@ class DraftGate:
             if b.since_explore >= self.explore_interval(lost, b.draft_seconds.value):
                 b.since_explore = 0
                 return nobody
+            b.since_partial = 0  # every forecast is being refreshed
             return everyone
         # plain is faster; exploring a drafting step also pays the catch-up of the steps before it
         switch = b.switch_seconds.value if b.switch_seconds.count else 0.0
         lost = b.draft_seconds.value * (1.0 - draft_rate / plain_rate) + switch
         few = self.explore_size(n)
+        b.since_partial += 1
+        if (
+            few == n
+            and b.since_explore >= self.explore_every
+            and self._unsure_newcomers(request_ids, regimes)
+        ):
+            b.since_explore = b.since_partial = 0  # a newcomer on a prior of few samples: learn it, once
+            return everyone
         near = draft_rate >= self.near_ratio * plain_rate
         interval = self.explore_interval(lost, b.plain_seconds.value)
         if b.since_explore >= (interval if near or few == n else self.max_explore_interval):
@@ -217,7 +275,6 @@ class DraftGate:
             return everyone
         if few == n:
             return nobody
-        b.since_partial += 1
         partial = b.partial_lost.value if b.partial_lost.count else lost * few / n
         if b.since_partial < self.explore_interval(
             max(0.0, partial), b.plain_seconds.value, self.partial_explore_overhead
@@ -228,6 +285,24 @@ class DraftGate:
         order = sorted(everyone, key=lambda i: self._drafted_at.get(request_ids[i], -1))
         return sorted(order[:few])
 
+    def _unsure_newcomers(self, request_ids: Sequence[str], regimes: Sequence[float] | None) -> list[int]:
+        """Requests that never drafted whose forecast stands on a prior of fewer than
+        ``prior_samples`` drafting steps (their regime's at this load): one weak early sample (a
+        short warm-up prompt) would otherwise keep every later request on plain steps, and the
+        prior would never learn otherwise."""
+        key = self.bucket_of(len(request_ids))
+        out = []
+        for i, rid in enumerate(request_ids):
+            if rid in self._drafted_at:
+                continue
+            if regimes is None:
+                prior = self._buckets[key].tokens_per_request
+            else:
+                prior = self._regimes.get((key, _regime_key(regimes[i]))) or _Mean()
+            if prior.count < self.prior_samples:
+                out.append(i)
+        return out
+
     def record(
         self,
         request_ids: Sequence[str],
@@ -237,13 +312,16 @@ class DraftGate:
         switch_seconds: float = 0.0,
         regimes: Sequence[float] | None = None,
         num_requests: int | None = None,
+        kept: Sequence[float] | None = None,
     ) -> None:
         """A finished step: its requests (the drafting ones, for a drafting step), whether it
         drafted, the tokens each request emitted (or, better, the plan's calibrated expectation
         of them: far less noisy than one draw), its time (the decoding share of it, without the
         catch-up) and, for a drafting step, the catch-up of the context writes earlier plain
         steps put off. ``num_requests``: the step's decoding requests, when only some drafted
-        (a partial exploration; the others emitted one token each)."""
+        (a partial exploration; the others emitted one token each). ``kept``: the tokens each
+        request did emit, when ``tokens`` are expectations (with ``regimes``: it corrects the
+        expectations' bias per regime)."""
         if seconds <= 0 or not math.isfinite(seconds) or not request_ids:
             return
         load = len(request_ids) if num_requests is None else max(num_requests, len(request_ids))
@@ -270,6 +348,16 @@ class DraftGate:
             for regime, ns in by_regime.items():
                 for where in ((key, regime), (0, regime)):  # 0: any load
                     self._regimes.setdefault(where, _Mean()).update(sum(ns) / len(ns), self.smoothing)
+            if kept is not None:
+                kept_by: dict[float, float] = {}
+                for regime, k in zip(regimes, kept, strict=True):
+                    kept_by[_regime_key(regime)] = kept_by.get(_regime_key(regime), 0.0) + k
+                for regime, ns in by_regime.items():
+                    for where in ((key, regime), (0, regime)):
+                        self._kept.setdefault(where, _Mean()).update(
+                            kept_by[regime] / len(ns), self.smoothing
+                        )
+                        self._expected.setdefault(where, _Mean()).update(sum(ns) / len(ns), self.smoothing)
         w = self.request_smoothing
         for rid, n in zip(request_ids, tokens, strict=True):
             prior = self._forecast.get(rid, b.tokens_per_request.value)
@@ -284,7 +372,7 @@ class DraftGate:
     def rates(self) -> dict[int, tuple[float, float]]:
         """bucket -> (drafting tokens/s for a request at the prior, plain tokens/s per request),
         for metrics and tests."""
-        return {
+        return {  # (a copy first: metrics read this from another thread)
             k: (b.tokens_per_request.value / b.draft_seconds.value, 1.0 / b.plain_seconds.value)
-            for k, b in self._buckets.items()
+            for k, b in list(self._buckets.items())
         }
