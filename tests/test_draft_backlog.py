@@ -191,3 +191,41 @@ def test_a_partial_step_writes_the_drafting_requests_context_and_puts_off_the_ot
     assert all(cols[0].tokens(str(i)) == cols[1].tokens(str(i)) for i in range(4))
     alloc = engine.scheduler.allocator
     assert alloc.free_pages == alloc.capacity_pages
+
+
+def test_a_few_requests_rows_are_taken_alone_and_column_blocks_join_when_taken() -> None:
+    """Rows deferred as column blocks (the captured layers' outputs) come out side by side; taking
+    one request's rows leaves the others' pending, and taking the rest later gives the same rows
+    as taking everything at once."""
+    from dspark_server.engine.kv_cache import PageAllocator
+    from dspark_server.engine.request import Request, Status
+    from dspark_server.engine.spec.deferred_context import DeferredContext, Run
+
+    alloc = PageAllocator(num_pages=16, page_size=4)
+
+    def request(name: str, length: int) -> Request:
+        r = Request(name, [1, 2, 3], SamplingParams(max_tokens=4), lambda _o: None, status=Status.RUNNING)
+        assert alloc.reserve(r.table, length)
+        r.table.length = length
+        return r
+
+    a, b = request("a", 10), request("b", 10)
+    steps = [
+        ([Run(a, 4), Run(b, 6)], torch.arange(0.0, 6.0).view(2, 3)),
+        ([Run(b, 7), Run(a, 5)], torch.arange(6.0, 12.0).view(2, 3)),
+    ]
+    whole, split = DeferredContext(), DeferredContext()
+    for runs, rows in steps:
+        whole.defer(runs, rows)
+        split.defer(runs, [rows[:, :1], rows[:, 1:]])  # two column blocks
+    assert split.pending(a) == 2 and split.pending(b) == 2
+    first = split.take(alloc, only=[a])
+    assert first is not None and first.positions.tolist() == [4, 5]
+    assert first.features.tolist() == [[0.0, 1.0, 2.0], [9.0, 10.0, 11.0]]
+    assert split.pending(a) == 0 and split.pending(b) == 2 and len(split) == 2
+    rest, everything = split.take(alloc), whole.take(alloc)
+    assert rest is not None and everything is not None and len(split) == 0
+    assert rest.positions.tolist() == [6, 7] and rest.features.tolist() == [[3.0, 4.0, 5.0], [6.0, 7.0, 8.0]]
+    assert torch.equal(
+        torch.cat([first.features, rest.features]).sort(dim=0).values, everything.features.sort(dim=0).values
+    )
