@@ -7,7 +7,6 @@ checkpoint's state dict loads without renaming.
 from __future__ import annotations
 
 import ctypes
-import functools
 from dataclasses import dataclass
 from typing import cast
 
@@ -33,14 +32,7 @@ from dspark_server.models.layers import (
 @dataclass(frozen=True)
 class TargetOutput:
     logits: torch.Tensor  # [N, V] for the requested rows (all tokens when no rows were given)
-    # the captured layers' outputs [T, hidden] each (all new tokens), in capture_layers order;
-    # kept apart: a step that only stores them (dspark mode's plain steps) never concatenates
-    hidden_parts: tuple[torch.Tensor, ...] = ()
-
-    @functools.cached_property
-    def hidden(self) -> torch.Tensor | None:
-        """[T, len(capture_layers) * hidden]: the captured outputs side by side, or None."""
-        return torch.cat(self.hidden_parts, dim=-1) if self.hidden_parts else None
+    hidden: torch.Tensor | None  # [T, len(capture_layers) * hidden] for all new tokens, or None
 
 
 class SelfAttention(nn.Module):
@@ -218,7 +210,8 @@ class TargetModel(nn.Module):
         x = x if logits_rows is None else x[logits_rows]
         norm = self.model.norm
         x = layer_ops.rms_norm(lib, x, norm.weight, norm.eps)[0] if lib is not None else norm(x)
-        return TargetOutput(logits=self.lm_head(x), hidden_parts=tuple(captured))
+        hidden = torch.cat(captured, dim=-1) if captured else None
+        return TargetOutput(logits=self.lm_head(x), hidden=hidden)
 
     def use_kernels(self, lib: ctypes.CDLL | None) -> None:
         """Serve with the fused element-wise kernels of ``lib`` (the kernel library), or with the

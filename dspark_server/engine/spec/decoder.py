@@ -160,12 +160,12 @@ class SpeculativeDecoder:
         self.last_verify_lens = [0] * len(decodes)
         if self.live_sps is not None and decodes and not prefills:
             self.live_sps.record(forward.batch.num_tokens, forward.seconds)
-        parts = forward.output.hidden_parts
-        assert parts, "a plain step in a speculative mode captures the drafter's features"
+        hidden = forward.output.hidden
+        assert hidden is not None
         # the forward packed one token per decode, then the prefill chunks: its rows in run order
         runs = [Run(r, p) for r, p in zip(decodes, positions, strict=True)]
         runs += [Run(c.request, c.start, c.num_tokens) for c in prefills]
-        if runs and self.deferred.defer(runs, parts):
+        if runs and self.deferred.defer(runs, hidden):
             self._catch_up(alloc)  # the buffer is full
 
     @torch.inference_mode()
@@ -365,8 +365,10 @@ class SpeculativeDecoder:
             alloc, forward, rows + self._prefill_rows(forward, len(decodes) + len(plain), prefills)
         )
         if plain:
+            hidden = forward.output.hidden
+            assert hidden is not None
             at = torch.tensor(offsets[len(decodes) : len(decodes) + len(plain)])
-            if self.deferred.defer(plain, [p[at] for p in forward.output.hidden_parts]):
+            if self.deferred.defer(plain, hidden[at]):
                 self._catch_up(alloc)
 
     @staticmethod

@@ -41,12 +41,8 @@ class Run(NamedTuple):
 @dataclass
 class _DeferredStep:
     runs: list[Run]
-    parts: tuple[torch.Tensor, ...]  # [N, F_i] each: the runs' rows, in order (side by side: [N, F])
+    features: torch.Tensor  # [N, F]: the runs' rows, in order
     live: int = 0  # runs not yet taken or forgotten
-
-    @property
-    def nbytes(self) -> int:
-        return sum(p.numel() * p.element_size() for p in self.parts)
 
 
 class _Pending(NamedTuple):
@@ -92,15 +88,13 @@ class DeferredContext:
         """Rows of ``request`` waiting to be written."""
         return sum(p.run.num_tokens for p in self._pending.get(id(request), ()))
 
-    def defer(self, runs: Sequence[Run], features: torch.Tensor | Sequence[torch.Tensor]) -> bool:
-        """Keep one step's rows (``features`` [sum of counts, F], the runs' rows in order, or its
-        column blocks [sum of counts, F_i], e.g. the captured layers' outputs, concatenated only
-        when taken). True: the buffer is full, take the writes now."""
+    def defer(self, runs: Sequence[Run], features: torch.Tensor) -> bool:
+        """Keep one step's rows (``features`` [sum of counts, F], the runs' rows in order). True:
+        the buffer is full, take the writes now."""
         self._drop_departed()
         key, self._next_key = self._next_key, self._next_key + 1
-        parts = (features,) if isinstance(features, torch.Tensor) else tuple(features)
-        step = self._steps[key] = _DeferredStep(list(runs), parts, len(runs))
-        self._bytes += step.nbytes
+        self._steps[key] = _DeferredStep(list(runs), features, len(runs))
+        self._bytes += features.numel() * features.element_size()
         row, pending = 0, self._pending
         for run in runs:
             rows = pending.get(id(run.request))
@@ -150,23 +144,16 @@ class DeferredContext:
         counts = np.array([c for _, _, c in picked.segments])
         offsets = np.cumsum(counts) - counts  # each segment's first row in the result
         within = np.arange(int(counts.sum())) - np.repeat(offsets, counts)
-        if len({len(step.parts) for step in steps.values()}) > 1:  # mixed layouts: one block each
-            steps = {
-                k: _DeferredStep(st.runs, (torch.cat(st.parts, dim=-1),), st.live) for k, st in steps.items()
-            }
-        if whole:  # everything goes: one concatenation per block, one gather
+        if whole:  # everything goes: one concatenation, one gather
             base, total = {}, 0
             for key, step in steps.items():
                 base[key] = total
-                total += step.parts[0].shape[0]
+                total += step.features.shape[0]
             starts = np.array([base[s] + r for s, r, _ in picked.segments])
             index = torch.from_numpy(np.repeat(starts, counts) + within)
-            width = len(next(iter(steps.values())).parts)
-            blocks = [torch.cat([st.parts[i] for st in steps.values()])[index] for i in range(width)]
-            features = blocks[0] if width == 1 else torch.cat(blocks, dim=-1)
+            features = torch.cat([s.features for s in steps.values()])[index]
         else:  # a few requests: their rows only, the rest of the buffer untouched
-            rows = [[p[r : r + c] for p in steps[s].parts] for s, r, c in picked.segments]
-            features = torch.cat([seg[0] if len(seg) == 1 else torch.cat(seg, dim=-1) for seg in rows])
+            features = torch.cat([steps[s].features[r : r + c] for s, r, c in picked.segments])
         positions = torch.from_numpy(np.repeat(np.array(picked.position_starts), counts) + within)
         slots, at = [], 0
         for req, n in picked.requests:
@@ -182,7 +169,7 @@ class DeferredContext:
             step.live -= 1
             if step.live == 0:
                 del self._steps[p.step]
-                self._bytes -= step.nbytes
+                self._bytes -= step.features.numel() * step.features.element_size()
 
     def _drop_departed(self) -> None:
         """Forget the requests of the oldest steps once none of those requests runs any more."""
@@ -193,4 +180,4 @@ class DeferredContext:
             for run in oldest.runs:  # not running: none of its rows will be written
                 self._release(self._pending.pop(id(run.request), []))
             if self._steps.pop(key, None) is not None:  # (each run released it already, normally)
-                self._bytes -= oldest.nbytes
+                self._bytes -= oldest.features.numel() * oldest.features.element_size()
