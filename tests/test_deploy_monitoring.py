@@ -33,7 +33,7 @@ import yaml
 from conftest import free_port
 from test_api_support import LoggedServer, wait_idle
 
-from dspark_server.testing.tiny import build_tiny_drafter, build_tiny_model
+from dspark_server.testing.tiny import build_tiny_drafter, build_tiny_model, write_flat_sps_profile
 
 ROOT = Path(__file__).resolve().parents[1]
 DEPLOY = ROOT / "deploy"
@@ -287,16 +287,7 @@ def loaded(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Prometheu
     # switch the random drafter off and leave the speculative panels empty
     target = build_tiny_model(root / "target", layers=2, with_eos=False, seed=5, vocab_size=24)
     draft = build_tiny_drafter(target, root / "draft", gamma=4, seed=6)
-    profile = root / "sps.json"
-    profile.write_text(
-        json.dumps(
-            {
-                "sample_batch_tokens": [1, 8, 64, 512],
-                "sample_steps_per_sec": [50.0] * 4,
-                "max_batch_tokens": 512,
-            }
-        )
-    )
+    profile = write_flat_sps_profile(root / "sps.json")
     server = LoggedServer(
         [
             "--model",

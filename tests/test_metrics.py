@@ -4,7 +4,6 @@ the families the server exports."""
 
 from __future__ import annotations
 
-import json
 import re
 from collections.abc import Iterator
 from pathlib import Path
@@ -15,7 +14,7 @@ import openai
 import pytest
 from test_api_support import LoggedServer, Samples, family_total, scrape, start, value, wait_idle
 
-from dspark_server.testing.tiny import build_tiny_drafter, build_tiny_model
+from dspark_server.testing.tiny import build_tiny_drafter, build_tiny_model, write_flat_sps_profile
 
 GAMMA = 4
 PROBES = [1, 8, 64, 512]
@@ -29,12 +28,7 @@ def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LoggedServer]:
     target = build_tiny_model(root / "target", layers=2, with_eos=False, seed=5, vocab_size=24)
     draft = build_tiny_drafter(target, root / "draft", gamma=GAMMA, seed=6)
     # A flat SPS curve: verifying more costs nothing, so the planner verifies (no startup profiling).
-    profile = root / "sps.json"
-    profile.write_text(
-        json.dumps(
-            {"sample_batch_tokens": PROBES, "sample_steps_per_sec": [50.0] * 4, "max_batch_tokens": 512}
-        )
-    )
+    profile = write_flat_sps_profile(root / "sps.json", tuple(PROBES))
     s = start(
         [
             "--model",
@@ -217,12 +211,7 @@ def test_the_draft_gate_exports_both_rates_of_the_loads_it_has_seen(tmp_path: Pa
     tokens per second in drafting and in plain steps, measured: one request at a time here."""
     target = build_tiny_model(tmp_path / "target", layers=2, with_eos=False, seed=5, vocab_size=24)
     draft = build_tiny_drafter(target, tmp_path / "draft", gamma=GAMMA, seed=6)
-    profile = tmp_path / "sps.json"
-    profile.write_text(
-        json.dumps(
-            {"sample_batch_tokens": PROBES, "sample_steps_per_sec": [50.0] * 4, "max_batch_tokens": 512}
-        )
-    )
+    profile = write_flat_sps_profile(tmp_path / "sps.json", tuple(PROBES))
     args = ["--model", str(target), "--draft", str(draft), "--spec-mode", "dspark", "--profile", str(profile)]
     s = start(args + ["--max-model-len", "256"])
     try:

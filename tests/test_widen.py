@@ -23,7 +23,7 @@ from dspark_server.models.drafter_checkpoint import load_drafter, read_draft_con
 from dspark_server.models.loader import load_target
 from dspark_server.models.target import TargetModel
 from dspark_server.planner import StsCalibration, save_sts_calibration
-from dspark_server.testing.tiny import build_tiny_drafter, build_tiny_model
+from dspark_server.testing.tiny import build_tiny_drafter, build_tiny_model, write_flat_sps_profile
 from dspark_server.training import widen
 from dspark_server.training.widen import WidenConfig, WidenResult, widen_pair
 from dspark_server.training.widen_check import compare_pairs, prefill, sample_ids
@@ -317,16 +317,7 @@ def test_drafter_block_logits_markov_bias_and_confidences_equal(pairs: Pairs, he
 def _engine(target: Path, draft: Path | None, mode: str) -> LLMEngine:
     # a flat SPS profile (verifying more costs nothing): the planner's choices do not depend on
     # start-up timings, so dspark mode verifies drafts on every machine
-    profile = target.parent / "flat_sps.json"
-    profile.write_text(
-        json.dumps(
-            {
-                "sample_batch_tokens": [1, 8, 64, 512],
-                "sample_steps_per_sec": [50.0] * 4,
-                "max_batch_tokens": 512,
-            }
-        )
-    )
+    profile = write_flat_sps_profile(target.parent / "flat_sps.json")
     spec = SpeculativeConfig(
         mode=mode if draft else "off",  # type: ignore[arg-type]
         draft_gate=False,

@@ -161,3 +161,13 @@ def build_tiny_drafter(
             if not name.endswith("norm.weight"):
                 p.normal_(0.0, init_std / (p.shape[-1] ** 0.5) * 4)
     return save_drafter(drafter, out_dir)
+
+
+def write_flat_sps_profile(path: Path, probes: tuple[int, ...] = (1, 8, 64, 512)) -> Path:
+    """An SPS table where verifying more tokens costs nothing (50 steps/s at every probe): a
+    speculative engine served with it needs no start-up profiling and verifies drafts whatever the
+    machine's timings."""
+    from dspark_server.planner import SpsCostTable, save_sps_table
+
+    save_sps_table(SpsCostTable(probes, tuple(50.0 for _ in probes), probes[-1]), path)
+    return path

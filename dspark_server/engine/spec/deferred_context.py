@@ -94,7 +94,7 @@ class DeferredContext:
         self._drop_departed()
         key, self._next_key = self._next_key, self._next_key + 1
         self._steps[key] = _DeferredStep(list(runs), features, len(runs))
-        self._bytes += features.numel() * features.element_size()
+        self._bytes += features.nbytes
         row, pending = 0, self._pending
         for run in runs:
             rows = pending.get(id(run.request))
@@ -169,7 +169,7 @@ class DeferredContext:
             step.live -= 1
             if step.live == 0:
                 del self._steps[p.step]
-                self._bytes -= step.features.numel() * step.features.element_size()
+                self._bytes -= step.features.nbytes
 
     def _drop_departed(self) -> None:
         """Forget the requests of the oldest steps once none of those requests runs any more."""
@@ -180,4 +180,4 @@ class DeferredContext:
             for run in oldest.runs:  # not running: none of its rows will be written
                 self._release(self._pending.pop(id(run.request), []))
             if self._steps.pop(key, None) is not None:  # (each run released it already, normally)
-                self._bytes -= oldest.features.numel() * oldest.features.element_size()
+                self._bytes -= oldest.features.nbytes

@@ -141,11 +141,11 @@ class DraftGate:
         self._forecast: dict[str, float] = {}  # request id -> tokens per drafting step
         self._prior = _Mean()  # all loads: for a bucket that has not drafted yet
         self._regimes: dict[tuple[int, float], _Mean] = {}  # (bucket or 0 = any, regime) -> prior
-        # per (load bucket or 0 = any, regime): tokens drafting steps kept vs the tokens their
-        # plans expected (calibration off the traffic's distribution shows here first, and
-        # differently at each load: plans verify other positions; forecasts are scaled by it)
+        # per (load bucket or 0 = any, regime): tokens drafting steps kept, beside ``_regimes``
+        # (the tokens their plans expected): calibration off the traffic's distribution shows
+        # here first, and differently at each load (plans verify other positions); forecasts
+        # are scaled by the ratio
         self._kept: dict[tuple[int, float], _Mean] = {}
-        self._expected: dict[tuple[int, float], _Mean] = {}
 
     @staticmethod
     def bucket_of(num_requests: int) -> int:
@@ -198,7 +198,7 @@ class DraftGate:
         steps; 1 until measured; within [1/2, 2])."""
         key = _regime_key(regime)
         for bucket in ((self.bucket_of(num_requests),) if num_requests else ()) + (0,):
-            kept, expected = self._kept.get((bucket, key)), self._expected.get((bucket, key))
+            kept, expected = self._kept.get((bucket, key)), self._regimes.get((bucket, key))
             if kept is None or expected is None or not expected.value > 0:
                 continue
             if bucket and kept.count < self.min_samples:
@@ -261,11 +261,7 @@ class DraftGate:
         lost = b.draft_seconds.value * (1.0 - draft_rate / plain_rate) + switch
         few = self.explore_size(n)
         b.since_partial += 1
-        if (
-            few == n
-            and b.since_explore >= self.explore_every
-            and self._unsure_newcomers(request_ids, regimes)
-        ):
+        if few == n and b.since_explore >= self.explore_every and self._unsure_newcomer(request_ids, regimes):
             b.since_explore = b.since_partial = 0  # a newcomer on a prior of few samples: learn it, once
             return everyone
         near = draft_rate >= self.near_ratio * plain_rate
@@ -285,13 +281,12 @@ class DraftGate:
         order = sorted(everyone, key=lambda i: self._drafted_at.get(request_ids[i], -1))
         return sorted(order[:few])
 
-    def _unsure_newcomers(self, request_ids: Sequence[str], regimes: Sequence[float] | None) -> list[int]:
-        """Requests that never drafted whose forecast stands on a prior of fewer than
-        ``prior_samples`` drafting steps (their regime's at this load): one weak early sample (a
+    def _unsure_newcomer(self, request_ids: Sequence[str], regimes: Sequence[float] | None) -> bool:
+        """Whether a request that never drafted has a forecast standing on a prior of fewer than
+        ``prior_samples`` drafting steps (its regime's at this load): one weak early sample (a
         short warm-up prompt) would otherwise keep every later request on plain steps, and the
         prior would never learn otherwise."""
         key = self.bucket_of(len(request_ids))
-        out = []
         for i, rid in enumerate(request_ids):
             if rid in self._drafted_at:
                 continue
@@ -300,8 +295,8 @@ class DraftGate:
             else:
                 prior = self._regimes.get((key, _regime_key(regimes[i]))) or _Mean()
             if prior.count < self.prior_samples:
-                out.append(i)
-        return out
+                return True
+        return False
 
     def record(
         self,
@@ -321,7 +316,7 @@ class DraftGate:
         steps put off. ``num_requests``: the step's decoding requests, when only some drafted
         (a partial exploration; the others emitted one token each). ``kept``: the tokens each
         request did emit, when ``tokens`` are expectations (with ``regimes``: it corrects the
-        expectations' bias per regime)."""
+        expectations' bias per regime; without it, ``tokens`` are what was emitted)."""
         if seconds <= 0 or not math.isfinite(seconds) or not request_ids:
             return
         load = len(request_ids) if num_requests is None else max(num_requests, len(request_ids))
@@ -341,23 +336,15 @@ class DraftGate:
                 b.switch_seconds.update(switch, self.smoothing)
         b.tokens_per_request.update(sum(tokens) / len(tokens), self.smoothing)
         self._prior.update(sum(tokens) / len(tokens), self.smoothing)
-        if regimes is not None:
+        if regimes is not None:  # per regime: [tokens expected, tokens kept, requests]
             by_regime: dict[float, list[float]] = {}
-            for regime, n in zip(regimes, tokens, strict=True):
-                by_regime.setdefault(_regime_key(regime), []).append(n)
-            for regime, ns in by_regime.items():
+            for regime, n, k in zip(regimes, tokens, tokens if kept is None else kept, strict=True):
+                sums = by_regime.setdefault(_regime_key(regime), [0.0, 0.0, 0])
+                sums[0], sums[1], sums[2] = sums[0] + n, sums[1] + k, sums[2] + 1
+            for regime, (expected, emitted, rows) in by_regime.items():
                 for where in ((key, regime), (0, regime)):  # 0: any load
-                    self._regimes.setdefault(where, _Mean()).update(sum(ns) / len(ns), self.smoothing)
-            if kept is not None:
-                kept_by: dict[float, float] = {}
-                for regime, k in zip(regimes, kept, strict=True):
-                    kept_by[_regime_key(regime)] = kept_by.get(_regime_key(regime), 0.0) + k
-                for regime, ns in by_regime.items():
-                    for where in ((key, regime), (0, regime)):
-                        self._kept.setdefault(where, _Mean()).update(
-                            kept_by[regime] / len(ns), self.smoothing
-                        )
-                        self._expected.setdefault(where, _Mean()).update(sum(ns) / len(ns), self.smoothing)
+                    self._regimes.setdefault(where, _Mean()).update(expected / rows, self.smoothing)
+                    self._kept.setdefault(where, _Mean()).update(emitted / rows, self.smoothing)
         w = self.request_smoothing
         for rid, n in zip(request_ids, tokens, strict=True):
             prior = self._forecast.get(rid, b.tokens_per_request.value)
