@@ -178,6 +178,10 @@ def cmd_serve(a: argparse.Namespace) -> None:
     name = a.served_model_name or Path(cfg.model_dir).name
 
     def make_backend():  # runs on a loader thread while the port is already open (/ready: 503)
+        if a.engine_process:
+            from dspark_server.engine.process import EngineProcessBackend
+
+            return EngineProcessBackend(cfg)
         from dspark_server.engine.engine import LLMEngine
         from dspark_server.engine.loop import NativeBackend
 
@@ -308,6 +312,13 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--host", default=field_default(ServerConfig, "host"), help="address to listen on")
     serve.add_argument(
         "--port", type=int, default=field_default(ServerConfig, "port"), help="port to listen on"
+    )
+    serve.add_argument(
+        "--engine-process",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="run the native engine in a process of its own, apart from the HTTP event loop "
+        "(--no-engine-process: on a thread of the server's process)",
     )
     serve.add_argument(
         "--api-key", default=None, help="require 'Authorization: Bearer KEY' (or set DSPARK_API_KEY)"

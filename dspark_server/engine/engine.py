@@ -77,9 +77,15 @@ class LLMEngine:
         prompt_ids: list[int],
         params: SamplingParams,
         sink: Callable[[RequestOutput], None],
+        arrival_time: float | None = None,
     ) -> None:
+        """``arrival_time``: when the request reached the server (``time.monotonic()``, a clock
+        all processes share); None: now."""
         self.validate(prompt_ids, params)
-        self._inbox.put(("add", Request(request_id, list(prompt_ids), params, sink)))
+        req = Request(request_id, list(prompt_ids), params, sink)
+        if arrival_time is not None:
+            req.arrival_time = arrival_time
+        self._inbox.put(("add", req))
         if self.on_step:
             self.on_step()
 

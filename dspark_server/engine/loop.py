@@ -1,8 +1,8 @@
-"""The engine on its own thread, with asyncio token streams for callers (the native backend)."""
+"""The engine on a thread of the server's process, with asyncio token streams for callers (the
+native backend in one process; ``engine/process.py`` runs it in a process of its own)."""
 
 from __future__ import annotations
 
-import asyncio
 import logging
 import threading
 import time
@@ -11,8 +11,25 @@ from dspark_server.engine.admission import AdmissionCounter
 from dspark_server.engine.backend import LoadSnapshot, SpecSnapshot
 from dspark_server.engine.engine import LLMEngine
 from dspark_server.engine.request import RequestOutput, SamplingParams
+from dspark_server.engine.stream import TokenStream
 
 log = logging.getLogger(__name__)
+
+
+def spec_snapshot(engine: LLMEngine) -> SpecSnapshot | None:
+    """The speculative decoder's live planner inputs; None when speculation is off."""
+    spec = engine.spec
+    if spec is None:
+        return None
+    curve = spec.live_sps.curve() if spec.live_sps is not None else []
+    rates = spec.gate.rates() if spec.gate is not None else {}
+    return SpecSnapshot(
+        mode=engine.cfg.spec.mode,
+        gamma=spec.gamma,
+        sps_curve=curve,
+        drift=spec.drift.summary(),
+        gate_rates={1 << (bucket - 1): r for bucket, r in rates.items()},
+    )
 
 
 class EngineThread:
@@ -46,56 +63,6 @@ class EngineThread:
                 log.exception("engine loop iteration failed")
 
 
-class NativeStream:
-    """One request's deltas as an async iterator. The engine thread pushes through ``_sink``;
-    the event loop reads. ``close()`` (or ``aclose()``) aborts an unfinished request: the engine
-    frees its KV at the start of its next step."""
-
-    def __init__(self, backend: NativeBackend, request_id: str) -> None:
-        self.request_id = request_id
-        self._backend = backend
-        self._loop = asyncio.get_running_loop()
-        self._queue: asyncio.Queue[RequestOutput] = asyncio.Queue()
-        self._done = False  # the final delta was handed to the reader
-        self._closed = False
-        self._last_delivery: float | None = None
-
-    def _sink(self, out: RequestOutput) -> None:  # engine thread
-        if out.new_token_ids:
-            now = time.monotonic()
-            if self._last_delivery is not None:
-                self._backend.stats.record_inter_token(now - self._last_delivery)
-            self._last_delivery = now
-        if out.finished:
-            self._backend._release()
-        try:
-            self._loop.call_soon_threadsafe(self._queue.put_nowait, out)
-        except RuntimeError:  # the caller's event loop is gone; the request was abandoned
-            if not out.finished:
-                self._backend.engine.abort(self.request_id)
-
-    def __aiter__(self) -> NativeStream:
-        return self
-
-    async def __anext__(self) -> RequestOutput:
-        if self._done or self._closed:
-            raise StopAsyncIteration
-        out = await self._queue.get()
-        if out.finished:
-            self._done = True
-        return out
-
-    def close(self) -> None:
-        if self._closed:
-            return
-        self._closed = True
-        if not self._done:
-            self._backend.engine.abort(self.request_id)
-
-    async def aclose(self) -> None:
-        self.close()
-
-
 class NativeBackend:
     """The native PyTorch engine behind the ``Backend`` interface.
 
@@ -126,11 +93,26 @@ class NativeBackend:
     def _release(self) -> None:
         self.admission.release()
 
-    def generate(self, request_id: str, prompt_ids: list[int], params: SamplingParams) -> NativeStream:
+    def validate(self, prompt_ids: list[int], params: SamplingParams) -> None:
+        self.engine.validate(prompt_ids, params)
+
+    def generate(self, request_id: str, prompt_ids: list[int], params: SamplingParams) -> TokenStream:
         self.admission.admit()
-        stream = NativeStream(self, request_id)
+        stream = TokenStream(request_id, self.engine.abort)
+        last_delivery: list[float] = []
+
+        def sink(out: RequestOutput) -> None:  # engine thread
+            if out.new_token_ids:
+                now = time.monotonic()
+                if last_delivery:
+                    self.stats.record_inter_token(now - last_delivery[0])
+                last_delivery[:] = [now]
+            if out.finished:
+                self._release()
+            stream.push_threadsafe(out)
+
         try:
-            self.engine.add_request(request_id, prompt_ids, params, stream._sink)
+            self.engine.add_request(request_id, prompt_ids, params, sink)
         except BaseException:
             self._release()
             raise
@@ -150,18 +132,7 @@ class NativeBackend:
         )
 
     def spec_snapshot(self) -> SpecSnapshot | None:
-        spec = self.engine.spec
-        if spec is None:
-            return None
-        curve = spec.live_sps.curve() if spec.live_sps is not None else []
-        rates = spec.gate.rates() if spec.gate is not None else {}
-        return SpecSnapshot(
-            mode=self.engine.cfg.spec.mode,
-            gamma=spec.gamma,
-            sps_curve=curve,
-            drift=spec.drift.summary(),
-            gate_rates={1 << (bucket - 1): r for bucket, r in rates.items()},
-        )
+        return spec_snapshot(self.engine)
 
     def start(self) -> None:
         self._thread.start()
