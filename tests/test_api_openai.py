@@ -408,12 +408,12 @@ def test_schemathesis_finds_no_server_error_and_no_schema_violation(
     assert value(tested, "dspark_requests_total", endpoint="/v1/completions", status="500") == 0
 
 
-async def _storm(base_url: str, n: int) -> int:
+async def _storm(base_url: str, n: int, max_tokens: int = 40) -> int:
     """n streaming chat clients that hang up after their first chunk; returns how many got one."""
     body = {
         "model": "tiny",
         "messages": [{"role": "user", "content": "def add"}],
-        "max_tokens": 40,
+        "max_tokens": max_tokens,
         "stream": True,
     }
     got = 0
@@ -433,14 +433,28 @@ async def _storm(base_url: str, n: int) -> int:
     return got
 
 
-def test_abort_storm_frees_every_kv_page(server: LoggedServer, client: openai.OpenAI) -> None:
+@pytest.fixture(scope="module")
+def long_server(tiny_model: Path) -> Iterator[LoggedServer]:
+    """Room for long generations: the engine, in a process of its own, runs ahead of the HTTP
+    side, and a short one could finish before its client's disconnect reaches it."""
+    s = start(
+        ["--model", str(tiny_model), "--max-model-len", "1024", "--served-model-name", "tiny"],
+        env={"DSPARK_API_KEY": API_KEY},
+    )
+    yield s
+    s.stop()
+
+
+def test_abort_storm_frees_every_kv_page(long_server: LoggedServer) -> None:
+    server = long_server
+    client = openai.OpenAI(base_url=f"{server.base_url}/v1", api_key=API_KEY, max_retries=0, timeout=30)
     before = wait_idle(server.base_url)
     free0 = value(before, "dspark_kv_cache_free_pages")
     assert free0 == value(before, "dspark_kv_cache_total_pages") > 0
     aborted0 = value(before, "dspark_request_success_total", finished_reason="abort")
     finished0 = family_total(before, "dspark_request_success_total")
     t0 = time.monotonic()
-    assert asyncio.run(_storm(server.base_url, 50)) == 50
+    assert asyncio.run(_storm(server.base_url, 50, max_tokens=900)) == 50
     after = wait_idle(server.base_url, timeout=20)
     assert time.monotonic() - t0 < 30
     assert family_total(after, "dspark_request_success_total") - finished0 == 50

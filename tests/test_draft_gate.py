@@ -237,3 +237,22 @@ def test_newcomers_are_explored_while_their_prior_rests_on_few_samples() -> None
         settled.record(["s"], True, [1.1], 0.004, regimes=[1.0])
     settled.record(["s"], False, [1], 0.001)
     assert not any(settled.choose(["new"], [1.0]) for _ in range(8))
+
+
+def test_a_stale_forecast_returns_to_its_regimes_prior() -> None:
+    # a request that drafted through a hard stretch would otherwise keep its low forecast until
+    # its next exploration, while high forecasts are refreshed at every drafting step: forecasts
+    # left alone would be biased low, and the gate would keep plain steps where drafting pays
+    gate = DraftGate(min_samples=1, smoothing=1.0, request_smoothing=1.0, forecast_half_life=8.0)
+    gate.record(["easy"], True, [5.0], 0.004, regimes=[0.0])  # the regime's prior: 5 tokens
+    gate.record(["hard"], True, [1.0], 0.004, regimes=[0.0])  # ... now 1 (smoothing 1)
+    gate.record(["easy"], True, [5.0], 0.004, regimes=[0.0])  # ... 5 again
+    gate.record(["hard"], False, [1], 0.001)
+    assert gate.forecast_tokens(["hard"], [0.0]) == pytest.approx(1.0)  # just drafted: its own
+    for _ in range(8):
+        gate.choose(["hard"], [0.0])  # steps in which it does not draft
+    assert not gate._drafted_at["hard"] > 0
+    assert gate.forecast_tokens(["hard"], [0.0]) == pytest.approx(5.0 + (1.0 - 5.0) * 0.5)
+    for _ in range(16):
+        gate.choose(["hard"], [0.0])
+    assert gate.forecast_tokens(["hard"], [0.0]) == pytest.approx(5.0 + (1.0 - 5.0) * 0.5**3)

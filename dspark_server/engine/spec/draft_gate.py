@@ -30,6 +30,12 @@ is budgeted by ``partial_explore_overhead``. A whole drafting step is explored o
 forecast comes within ``near_ratio`` of plain steps' rate (or every ``max_explore_interval``
 steps, to keep the cost of drafting measured).
 
+A request's own forecast is drawn back to its prior by half every ``forecast_half_life`` steps
+since it last drafted: high forecasts are refreshed at every drafting step, low ones only when
+explored, so forecasts left alone would be biased low. Step times include what a step costs
+outside its model work (the engine's ``StepClock``: scheduling, statistics, the loop's report to
+the server), which plain steps pay once per token and drafting steps once per several.
+
 A drafting step's time leaves out its catch-up of the context writes earlier plain steps put
 off: that is the price of switching, and counting it as the price of drafting would keep the gate
 on plain steps, whose growing backlog would make the next catch-up dearer still.
@@ -116,6 +122,7 @@ class DraftGate:
         partial_explore_overhead: float = 0.01,
         near_ratio: float = 0.9,
         prior_samples: int = 20,
+        forecast_half_life: float = 16.0,
     ) -> None:
         if explore_every < 2 or max_explore_interval < explore_every:
             raise ValueError("explore_every must be >= 2 and <= max_explore_interval")
@@ -135,6 +142,7 @@ class DraftGate:
         self.partial_explore_overhead = partial_explore_overhead
         self.near_ratio = near_ratio
         self.prior_samples = prior_samples
+        self.forecast_half_life = forecast_half_life
         self._steps = 0
         self._drafted_at: dict[str, int] = {}  # request id -> the last step it drafted in
         self._buckets: dict[int, _Bucket] = {}
@@ -181,16 +189,29 @@ class DraftGate:
         if math.isnan(prior):
             prior = self._prior.value
         if regimes is None:
-            return sum(self._forecast.get(rid, prior) for rid in request_ids)
+            return sum(self._aged(rid, prior) for rid in request_ids)
         total, ratios = 0.0, dict[float, float]()
         for rid, regime in zip(request_ids, regimes, strict=True):
-            f = self._forecast.get(rid)
-            f = f if f is not None else self._regime_prior(key, regime, prior)
+            f = self._aged(rid, self._regime_prior(key, regime, prior))
             r = ratios.get(regime)
             if r is None:
                 r = ratios[regime] = self.realised_ratio(regime, len(request_ids))
             total += f * r
         return total
+
+    def _aged(self, request_id: str, prior: float) -> float:
+        """A request's forecast, drawn back to ``prior`` by half every ``forecast_half_life``
+        steps since it last drafted: acceptance drifts along a generation, and a forecast left
+        low by a hard stretch would otherwise stand until the next exploration, while one left
+        high is refreshed at every step it drafts. Without that pull, stale forecasts are
+        biased low and the gate keeps plain steps where drafting would pay."""
+        own = self._forecast.get(request_id)
+        if own is None:
+            return prior
+        if math.isnan(prior):
+            return own
+        age = self._steps - self._drafted_at.get(request_id, self._steps)
+        return prior + (own - prior) * 0.5 ** (age / self.forecast_half_life)
 
     def realised_ratio(self, regime: float, num_requests: int | None = None) -> float:
         """Tokens kept / tokens expected by the plans, over recent drafting steps of requests of
