@@ -31,7 +31,6 @@ from dspark_server.engine.sampling import SamplingTensors, sample_from_logits
 from dspark_server.engine.scheduler import Scheduler, SchedulerOutput
 from dspark_server.engine.spec import SpecStepResult, SpeculativeDecoder, build_speculative
 from dspark_server.engine.stats import EngineStats
-from dspark_server.engine.step_clock import StepClock
 from dspark_server.models.tokenizer import Tokenizer
 
 log = logging.getLogger(__name__)
@@ -63,7 +62,6 @@ class LLMEngine:
         self.scheduler = Scheduler(cfg, self.runner.allocator, decode_lookahead=lookahead)
         self.outputs = OutputProcessor(self.tokenizer, self.eos_token_ids)
         self.stats = EngineStats(kv_total_pages=self.runner.allocator.capacity_pages)
-        self.clock = StepClock()
         self.requests: dict[str, Request] = {}
         self._inbox: queue.SimpleQueue[tuple[str, object]] = queue.SimpleQueue()
         self.on_step: Callable[[], None] | None = None  # wakes the engine thread
@@ -121,13 +119,6 @@ class LLMEngine:
                     self._finish(req)
 
     def step(self) -> None:
-        self.clock.start()
-        try:
-            self._step()
-        finally:
-            self.clock.end(self.has_work())
-
-    def _step(self) -> None:
         self.process_inbox()
         sched = self.scheduler.schedule()
         self.stats.record_preemptions(len(sched.preempted))
@@ -174,9 +165,7 @@ class LLMEngine:
         self._sample_next(sched.decodes + completing, result.output.logits)
         if spec is not None and sched.decodes:
             seconds = time.perf_counter() - t0
-            self.clock.worked(seconds)
-            priced = seconds + self.clock.outside_s
-            spec.record_plain(sched.decodes, result, sum(c.num_tokens for c in sched.prefills), priced)
+            spec.record_plain(sched.decodes, result, sum(c.num_tokens for c in sched.prefills), seconds)
             self.stats.record_spec_step(len(sched.decodes), "plain", None, seconds)
 
     def _run_speculative(
@@ -197,8 +186,7 @@ class LLMEngine:
         rows = torch.tensor(result.plain_rows + result.prefill_rows, dtype=torch.long)
         self._sample_next(result.plain + completing, result.forward.output.logits[rows])
         seconds = time.perf_counter() - t0
-        self.clock.worked(seconds)
-        spec.record(result, kept, seconds + self.clock.outside_s)
+        spec.record(result, kept, seconds)
         choice = "drafts" if sum(d.spec_round[1] for d in result.decodes) else "none"  # verified any?
         self.stats.record_spec_step(len(sched.decodes), choice, result.predicted_seconds, seconds)
 

@@ -32,9 +32,7 @@ steps, to keep the cost of drafting measured).
 
 A request's own forecast is drawn back to its prior by half every ``forecast_half_life`` steps
 since it last drafted: high forecasts are refreshed at every drafting step, low ones only when
-explored, so forecasts left alone would be biased low. Step times include what a step costs
-outside its model work (the engine's ``StepClock``: scheduling, statistics, the loop's report to
-the server), which plain steps pay once per token and drafting steps once per several.
+explored, so forecasts left alone would be biased low.
 
 A drafting step's time leaves out its catch-up of the context writes earlier plain steps put
 off: that is the price of switching, and counting it as the price of drafting would keep the gate
