@@ -251,7 +251,7 @@ def test_a_stale_forecast_returns_to_its_regimes_prior() -> None:
     assert gate.forecast_tokens(["hard"], [0.0]) == pytest.approx(1.0)  # just drafted: its own
     for _ in range(8):
         gate.choose(["hard"], [0.0])  # steps in which it does not draft
-    assert not gate._drafted_at["hard"] > 0
+    assert gate._drafted_at["hard"] == 0  # it last drafted before the first of these steps
     assert gate.forecast_tokens(["hard"], [0.0]) == pytest.approx(5.0 + (1.0 - 5.0) * 0.5)
     for _ in range(16):
         gate.choose(["hard"], [0.0])

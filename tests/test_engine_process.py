@@ -135,8 +135,12 @@ def test_a_dying_engine_ends_open_streams_with_an_error(cfg: EngineConfig) -> No
 
 
 def test_an_engine_that_cannot_load_fails_start_with_its_traceback(tmp_path: Path, tiny_model: Path) -> None:
-    cfg = EngineConfig(model_dir=str(tiny_model), draft_dir=str(tmp_path / "no-such-drafter"), num_threads=1)
-    cfg = EngineConfig(**{**cfg.__dict__, "spec": SpeculativeConfig(mode="fixed")})
+    cfg = EngineConfig(
+        model_dir=str(tiny_model),
+        draft_dir=str(tmp_path / "no-such-drafter"),
+        num_threads=1,
+        spec=SpeculativeConfig(mode="fixed"),
+    )
     with pytest.raises(RuntimeError, match="the engine failed to load"):
         EngineProcessBackend(cfg).start()
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 from dspark_server.engine.admission import QueueFullError
 from dspark_server.engine.request import RequestOutput, SamplingParams
@@ -12,7 +12,17 @@ from dspark_server.engine.stats import EngineStats
 from dspark_server.models.tokenizer import Tokenizer
 from dspark_server.planner import LiveSpsPoint, PositionDrift
 
-__all__ = ["Backend", "LoadSnapshot", "QueueFullError", "RequestStream", "SpecSnapshot"]
+if TYPE_CHECKING:
+    from dspark_server.engine.engine import LLMEngine
+
+__all__ = [
+    "Backend",
+    "LoadSnapshot",
+    "QueueFullError",
+    "RequestStream",
+    "SpecSnapshot",
+    "native_spec_snapshot",
+]
 
 
 @dataclass(frozen=True)
@@ -26,6 +36,24 @@ class SpecSnapshot:
     # dspark mode's draft gate, per load bucket (lowest load of the bucket): a request's tokens per
     # second in drafting steps (at the bucket's mean forecast) and in plain steps
     gate_rates: dict[int, tuple[float, float]] = field(default_factory=dict)
+
+
+def native_spec_snapshot(engine: LLMEngine) -> SpecSnapshot | None:
+    """The native engine's speculative decoder, live (None when speculation is off): what both
+    native backends report, the threaded one at scrape time, the engine process with its step
+    reports."""
+    spec = engine.spec
+    if spec is None:
+        return None
+    curve = spec.live_sps.curve() if spec.live_sps is not None else []
+    rates = spec.gate.rates() if spec.gate is not None else {}
+    return SpecSnapshot(
+        mode=engine.cfg.spec.mode,
+        gamma=spec.gamma,
+        sps_curve=curve,
+        drift=spec.drift.summary(),
+        gate_rates={1 << (bucket - 1): r for bucket, r in rates.items()},
+    )
 
 
 @dataclass(frozen=True)

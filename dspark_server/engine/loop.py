@@ -8,28 +8,12 @@ import threading
 import time
 
 from dspark_server.engine.admission import AdmissionCounter
-from dspark_server.engine.backend import LoadSnapshot, SpecSnapshot
+from dspark_server.engine.backend import LoadSnapshot, SpecSnapshot, native_spec_snapshot
 from dspark_server.engine.engine import LLMEngine
 from dspark_server.engine.request import RequestOutput, SamplingParams
 from dspark_server.engine.stream import TokenStream
 
 log = logging.getLogger(__name__)
-
-
-def spec_snapshot(engine: LLMEngine) -> SpecSnapshot | None:
-    """The speculative decoder's live planner inputs; None when speculation is off."""
-    spec = engine.spec
-    if spec is None:
-        return None
-    curve = spec.live_sps.curve() if spec.live_sps is not None else []
-    rates = spec.gate.rates() if spec.gate is not None else {}
-    return SpecSnapshot(
-        mode=engine.cfg.spec.mode,
-        gamma=spec.gamma,
-        sps_curve=curve,
-        drift=spec.drift.summary(),
-        gate_rates={1 << (bucket - 1): r for bucket, r in rates.items()},
-    )
 
 
 class EngineThread:
@@ -132,7 +116,7 @@ class NativeBackend:
         )
 
     def spec_snapshot(self) -> SpecSnapshot | None:
-        return spec_snapshot(self.engine)
+        return native_spec_snapshot(self.engine)
 
     def start(self) -> None:
         self._thread.start()

@@ -15,8 +15,9 @@ the live load. The engine polls its pipe between steps and blocks on it while id
 thread of its own; on this side one reader thread hands each report's deltas to their event loop
 in one call. Admission is counted here, as in the threaded backend. When the engine process ends
 (a crash, or the server's own shutdown) every open stream ends with an error and the backend
-stops being ready. The engine ignores SIGINT (a terminal's Ctrl-C reaches the whole process
-group; the server drains first, then stops it) and exits when the server's end of its pipe closes.
+stops being ready. The engine ignores SIGINT and SIGTERM (a terminal's Ctrl-C, ``timeout`` or a
+container runtime signal the whole process group; the server drains first, then stops it) and
+exits when the server's end of its pipe closes.
 """
 
 from __future__ import annotations
@@ -38,7 +39,7 @@ from typing import TYPE_CHECKING, Any
 
 from dspark_server.config import EngineConfig
 from dspark_server.engine.admission import AdmissionCounter, validate_prompt
-from dspark_server.engine.backend import LoadSnapshot, SpecSnapshot
+from dspark_server.engine.backend import LoadSnapshot, SpecSnapshot, native_spec_snapshot
 from dspark_server.engine.request import InvalidRequestError, RequestOutput, SamplingParams, SpecStats
 from dspark_server.engine.stats import EngineStats
 from dspark_server.engine.stream import TokenStream
@@ -110,7 +111,6 @@ def serve_engine(cfg: EngineConfig, requests: Connection, reports: Connection) -
     """Load, report ready (or the failure), then serve the pipe until told to stop or until the
     server's end closes."""
     from dspark_server.engine.engine import LLMEngine
-    from dspark_server.engine.loop import spec_snapshot
 
     try:
         engine = LLMEngine(cfg)
@@ -121,7 +121,7 @@ def serve_engine(cfg: EngineConfig, requests: Connection, reports: Connection) -
         max_model_len=engine.max_model_len,
         vocab_size=engine.runner.target.config.vocab_size,
         kv_total_pages=engine.runner.allocator.capacity_pages,
-        spec=spec_snapshot(engine),
+        spec=native_spec_snapshot(engine),
     )
     reports.send(("ready", info))
     _EngineServer(engine, requests, reports).run()
@@ -176,9 +176,7 @@ class _EngineServer:
         now = time.monotonic()
         spec = None
         if idle or now - self.snapshot_at >= SPEC_SNAPSHOT_EVERY_S:
-            from dspark_server.engine.loop import spec_snapshot
-
-            spec = spec_snapshot(self.engine)
+            spec = native_spec_snapshot(self.engine)
             self.snapshot_at = now
         stats = self.engine.stats
         report = StepReport(
