@@ -147,6 +147,9 @@ class EngineConfig:
     # The decoder layers' element-wise steps (norms, q/k norm + rotary + KV store, silu * up) as
     # fused C++ kernels; False: PyTorch ops (also what runs where the kernels cannot be built).
     layer_kernels: bool = True
+    # The whole float32 target forward as one C++ call (models/fused_forward.py) where it applies;
+    # False: the layer-by-layer path above. Needs layer_kernels.
+    fused_forward: bool = True
     spec: SpeculativeConfig = field(default_factory=SpeculativeConfig)
 
     def resolved_num_pages(self) -> int:

@@ -126,6 +126,11 @@ def add_engine_args(
         action="store_true",
         help="run the decoder's element-wise steps as PyTorch ops instead of the fused C++ kernels",
     )
+    g.add_argument(
+        "--no-fused-forward",
+        action="store_true",
+        help="run the float32 target forward layer by layer from Python instead of as one C++ call",
+    )
     if speculation != "none":
         s = parser.add_argument_group("speculation")
         if speculation == "all":
@@ -190,6 +195,7 @@ def engine_config_from_args(
         num_threads=getattr(ns, "threads", None),
         attention_impl=getattr(ns, "attention_impl", None),
         layer_kernels=not getattr(ns, "no_layer_kernels", False),
+        fused_forward=not getattr(ns, "no_fused_forward", False),
         spec=spec,
         **capacity,
     )

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import collections
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -11,6 +13,7 @@ from dspark_server.engine.batch import SeqChunk, pack
 from dspark_server.engine.kv_cache import PageAllocator, PageTable
 from dspark_server.models import layer_ops
 from dspark_server.models.attention import KVPool
+from dspark_server.models.fused_forward import FusedForward
 from dspark_server.models.kernel_library import load_library
 from dspark_server.models.loader import load_target
 from dspark_server.models.target import TargetModel
@@ -46,22 +49,39 @@ def _save_hf(tmp_path: Path, arch: str, **extra: object) -> tuple[Path, torch.nn
     return out, model
 
 
-def _layers(ours: TargetModel, layers: str, monkeypatch: pytest.MonkeyPatch) -> list[int]:
-    """Serve ``ours`` with the fused layer kernels ("kernels") or PyTorch ops ("torch"); returns a
-    list that counts the fused kernel calls, so a test can tell which path ran."""
+def _layers(ours: TargetModel, layers: str, monkeypatch: pytest.MonkeyPatch) -> collections.Counter[str]:
+    """Serve ``ours`` with the whole forward as one kernel call where it applies ("fused"), the
+    layer-by-layer kernel calls ("kernels") or PyTorch ops ("torch"); returns a counter of the
+    fused forwards and the layer kernels' calls, so a test can tell which path ran."""
     lib = load_library()
-    if layers == "kernels" and lib is None:
+    if layers != "torch" and lib is None:
         pytest.skip("the C++ kernel library could not be built")
-    ours.use_kernels(lib if layers == "kernels" else None)
-    calls: list[int] = []
+    ours.use_kernels(lib if layers != "torch" else None, fused=layers == "fused")
+    assert (ours._fused is not None) == (layers == "fused")
+    calls: collections.Counter[str] = collections.Counter()
     real = layer_ops.silu_mul
 
     def counted(lib: object, gate_up: torch.Tensor) -> torch.Tensor:
-        calls.append(1)
+        calls["layer"] += 1
         return real(lib, gate_up)  # type: ignore[arg-type]
 
     monkeypatch.setattr(layer_ops, "silu_mul", counted)
+    if ours._fused is not None:
+        fused_call = FusedForward.__call__
+
+        def counted_fused(self: FusedForward, *args: Any) -> Any:
+            calls["fused"] += 1
+            return fused_call(self, *args)
+
+        monkeypatch.setattr(FusedForward, "__call__", counted_fused)
     return calls
+
+
+def _expect_path(calls: collections.Counter[str], layers: str, impl: str = "auto") -> None:
+    """The path that ran: fused where it applies (float32, the paged kernel), else layer kernels."""
+    fused = layers == "fused" and impl == "auto"
+    assert (calls["fused"] > 0) == fused
+    assert (calls["layer"] > 0) == (layers == "kernels" or (layers == "fused" and not fused))
 
 
 def _hf_logits(model: torch.nn.Module, ids: list[int]) -> torch.Tensor:
@@ -89,7 +109,7 @@ CASES = [
 ]
 
 
-@pytest.mark.parametrize("layers", ["kernels", "torch"])
+@pytest.mark.parametrize("layers", ["fused", "kernels", "torch"])
 @pytest.mark.parametrize("impl", ["auto", "torch", "gather"])
 @pytest.mark.parametrize(("arch", "extra"), CASES)
 def test_mixed_ragged_batch_matches_transformers(
@@ -130,10 +150,10 @@ def test_mixed_ragged_batch_matches_transformers(
         got = logits[offset : offset + new[i]]
         offset += new[i]
         torch.testing.assert_close(got, ref, atol=1e-4, rtol=1e-4)
-    assert (len(kernel_calls) > 0) == (layers == "kernels")
+    _expect_path(kernel_calls, layers, impl)
 
 
-@pytest.mark.parametrize("layers", ["kernels", "torch"])
+@pytest.mark.parametrize("layers", ["fused", "kernels", "torch"])
 def test_hidden_capture_matches_transformers_hidden_states(
     tmp_path: Path, layers: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -154,10 +174,10 @@ def test_hidden_capture_matches_transformers_hidden_states(
             batch.positions,
             batch.attention(pool),
             logits_rows=batch.last_rows(),
-            capture_layers=(0, 1),
+            capture_layers=(1, 0),  # returned in the order asked for
         )
     assert out.logits.shape == (1, VOCAB)
     assert out.hidden is not None
-    torch.testing.assert_close(out.hidden[:, :64], ref[1][0], atol=1e-4, rtol=1e-4)
-    torch.testing.assert_close(out.hidden[:, 64:], ref[2][0], atol=1e-4, rtol=1e-4)
-    assert (len(kernel_calls) > 0) == (layers == "kernels")
+    torch.testing.assert_close(out.hidden[:, :64], ref[2][0], atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(out.hidden[:, 64:], ref[1][0], atol=1e-4, rtol=1e-4)
+    _expect_path(kernel_calls, layers)

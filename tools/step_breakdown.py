@@ -26,8 +26,9 @@ from dspark_server.bench.common import write_json
 from dspark_server.config import EngineConfig, SpeculativeConfig
 from dspark_server.engine.engine import LLMEngine
 from dspark_server.engine.request import SamplingParams
+from dspark_server.engine.spec import decoder as decoder_module
 
-PHASES = ("_draft", "_plan", "_verify", "_keep_accepted", "_observe")
+PHASES = ("_draft", "_plan", "_keep_accepted", "_observe")
 
 
 def _wrap(obj: object, name: str, totals: dict[str, float], key: str) -> None:
@@ -67,6 +68,7 @@ def breakdown(
     if eng.spec is not None:
         for name in PHASES:
             _wrap(eng.spec, name, totals, name.strip("_"))
+        _wrap(decoder_module, "verify_forward", totals, "verify")
     _wrap(eng.runner, "forward", totals, "forward")
     _wrap(eng, "commit", totals, "commit")
     for i in range(requests):

@@ -39,7 +39,7 @@ class ModelRunner:
             self.dtype,
             impl=cfg.attention_impl,
         )
-        self.target.use_kernels(load_library() if cfg.layer_kernels else None)
+        self.target.use_kernels(load_library() if cfg.layer_kernels else None, fused=cfg.fused_forward)
 
     @torch.inference_mode()
     def forward(

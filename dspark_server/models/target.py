@@ -17,6 +17,7 @@ from torch import nn
 from dspark_server.config import ModelConfig
 from dspark_server.models import layer_ops
 from dspark_server.models.attention import AttentionBackend, PagedAttention
+from dspark_server.models.fused_forward import DecoderWeights, FusedForward, LayerWeights
 from dspark_server.models.layers import (
     RMSNorm,
     RotaryEmbedding,
@@ -173,6 +174,7 @@ class TargetModel(nn.Module):
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
         self._kernels: ctypes.CDLL | None = None  # use_kernels
+        self._fused: FusedForward | None = None
 
     def forward(
         self,
@@ -188,6 +190,11 @@ class TargetModel(nn.Module):
         chunk); ``capture_layers`` lists decoder layers whose outputs are returned concatenated
         (layer i's output is Hugging Face's ``hidden_states[i + 1]``).
         """
+        fused = self._fused
+        if fused is not None and not torch.is_grad_enabled() and fused.applies(attn):
+            assert isinstance(attn, PagedAttention)
+            logits, hidden = fused(input_ids, positions, attn, logits_rows, capture_layers)
+            return TargetOutput(logits=logits, hidden=hidden)
         x = self.model.embed_tokens(input_ids)
         lib = self._kernels if self._kernels_apply(x, attn) else None
         layers = cast("list[DecoderLayer]", self.model.layers)
@@ -213,10 +220,40 @@ class TargetModel(nn.Module):
         hidden = torch.cat(captured, dim=-1) if captured else None
         return TargetOutput(logits=self.lm_head(x), hidden=hidden)
 
-    def use_kernels(self, lib: ctypes.CDLL | None) -> None:
+    def use_kernels(self, lib: ctypes.CDLL | None, fused: bool = True) -> None:
         """Serve with the fused element-wise kernels of ``lib`` (the kernel library), or with the
-        PyTorch ops (None). Applies to inference forwards over a paged KV pool of the model's dtype."""
+        PyTorch ops (None). Applies to inference forwards over a paged KV pool of the model's dtype.
+        With ``fused`` (and projections fused), a float32 forward is one call into the library
+        (models/fused_forward.py)."""
         self._kernels = lib
+        weights = self._decoder_weights() if fused else None
+        self._fused = FusedForward.build(lib, self.config, weights) if weights is not None else None
+
+    def _decoder_weights(self) -> DecoderWeights | None:
+        """The serving weights the fused forward reads (None before ``fuse_projections``)."""
+        layers = []
+        for layer in cast("list[DecoderLayer]", self.model.layers):
+            a, mlp = layer.self_attn, layer.mlp
+            if a._qkv is None or a._qkv[1] is not None or mlp._gate_up is None or mlp._gate_up[1] is not None:
+                return None
+            lw = LayerWeights(
+                layer.input_layernorm.weight.data,
+                a._qkv[0],
+                a._qk_norm_weight,
+                a.o_proj.weight.data,
+                layer.post_attention_layernorm.weight.data,
+                mlp._gate_up[0],
+                mlp.down_proj.weight.data,
+            )
+            layers.append(lw)
+        stack = self.model
+        return DecoderWeights(
+            stack.embed_tokens.weight.data,
+            layers,
+            stack.norm.weight.data,
+            self.lm_head.weight.data,
+            stack.rotary.inv_freq,
+        )
 
     def _kernels_apply(self, x: torch.Tensor, attn: AttentionBackend) -> bool:
         return (

@@ -1,0 +1,194 @@
+"""The target's float32 serving forward as one call into the kernel library
+(kernels/decoder_forward.cpp).
+
+The PyTorch serving path (target.py's ``forward_kernels``) makes about fifteen calls per layer
+from Python; at a handful of tokens each call costs more in dispatch than in arithmetic, so a
+forward for one decoding request took about twice its weight reads. ``FusedForward`` runs the
+same steps — the same element-wise and attention kernels, the same BLAS sgemm (PyTorch's own,
+found in ``libtorch_cpu``) — as one C++ function, with the layer's weights passed by address.
+It applies to float32 models without projection biases whose attention runs the paged kernel;
+``FusedForward.build`` returns None otherwise and the PyTorch path runs.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from dspark_server.config import ModelConfig
+from dspark_server.models.attention import KVPool, PagedAttention, resolve_impl
+
+SYMBOL = "dspark_decoder_forward_f32"
+
+
+@functools.cache
+def blas_sgemm() -> int | None:
+    """The address of the Fortran ``sgemm_`` PyTorch's float32 linear layers run (MKL on x86), or None."""
+    lib_dir = Path(torch.__file__).parent / "lib"
+    for name in ("libtorch_cpu.so", "libtorch_cpu.dylib"):
+        path = lib_dir / name
+        if path.is_file():
+            try:
+                fn = ctypes.CDLL(str(path)).sgemm_
+            except (OSError, AttributeError):
+                return None
+            return ctypes.cast(fn, ctypes.c_void_p).value
+    return None
+
+
+@dataclass(frozen=True)
+class LayerWeights:
+    """One decoder layer's serving weights: matrices [N, K] in the serving layout (column-major),
+    q/k norm weights [Hq + Hkv, D] (None: no q/k norm)."""
+
+    input_norm: torch.Tensor
+    qkv: torch.Tensor
+    qk_norm: torch.Tensor | None
+    o_proj: torch.Tensor
+    post_norm: torch.Tensor
+    gate_up: torch.Tensor
+    down: torch.Tensor
+
+
+@dataclass(frozen=True)
+class DecoderWeights:
+    embed: torch.Tensor  # [V, H]
+    layers: Sequence[LayerWeights]
+    final_norm: torch.Tensor
+    lm_head: torch.Tensor  # [V, H], serving layout
+    inv_freq: torch.Tensor  # rotary frequencies [D / 2]
+
+
+class FusedForward:
+    """The addresses one fused forward needs, gathered once after the weights are in their serving
+    layout. The model keeps the tensors they point into alive (this object keeps the row-major copy
+    of a column-major embedding table)."""
+
+    def __init__(self, lib: ctypes.CDLL, sgemm: int, cfg: ModelConfig, w: DecoderWeights) -> None:
+        self.lib, self.sgemm = lib, sgemm
+        self.hidden, self.vocab = cfg.hidden_size, cfg.vocab_size
+        self.heads = (cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim)
+        self.inter, self.eps = cfg.intermediate_size, cfg.rms_norm_eps
+        self.qk_eps = cfg.rms_norm_eps if cfg.uses_qk_norm else 0.0
+        self.inv_freq = w.inv_freq.float().contiguous()
+        self.embed = w.embed.detach().contiguous()  # rows are gathered: a column-major table is copied
+        self.final_norm = w.final_norm.detach()
+        self.lm_wt = _transposed(w.lm_head)
+        ptrs: list[int] = []
+        for lw in w.layers:
+            ptrs += [
+                lw.input_norm.data_ptr(),
+                _transposed(lw.qkv).data_ptr(),
+                lw.qk_norm.data_ptr() if lw.qk_norm is not None else 0,
+                _transposed(lw.o_proj).data_ptr(),
+                lw.post_norm.data_ptr(),
+                _transposed(lw.gate_up).data_ptr(),
+                _transposed(lw.down).data_ptr(),
+            ]
+        self.weights = torch.tensor(ptrs, dtype=torch.int64)
+        self.num_layers = len(w.layers)
+        self._caches: tuple[KVPool, torch.Tensor] | None = None
+
+    @classmethod
+    def build(cls, lib: ctypes.CDLL | None, cfg: ModelConfig, w: DecoderWeights) -> FusedForward | None:
+        """The fused forward for these weights, or None where it does not apply (no library,
+        not float32, projection biases, a weight not in the serving layout, no BLAS found)."""
+        if lib is None or not hasattr(lib, SYMBOL) or cfg.attention_bias:
+            return None
+        mats = [w.lm_head] + [m for lw in w.layers for m in (lw.qkv, lw.o_proj, lw.gate_up, lw.down)]
+        if not all(
+            m.dtype == torch.float32 and m.device.type == "cpu" and _is_serving_layout(m) for m in mats
+        ):
+            return None
+        sgemm = blas_sgemm()
+        return None if sgemm is None else cls(lib, sgemm, cfg, w)
+
+    def applies(self, attn: object) -> bool:
+        """Whether this forward can run over ``attn`` (a float32 pool the paged kernel reads)."""
+        if not isinstance(attn, PagedAttention) or attn.pool.k.dtype != torch.float32:
+            return False
+        return resolve_impl(attn.pool.impl, torch.float32, attn.pool.k[0], self.heads[0]) == "kernel"
+
+    def __call__(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        attn: PagedAttention,
+        logits_rows: torch.Tensor | None,
+        capture_layers: tuple[int, ...],
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """(logits of ``logits_rows`` (all rows if None), the ``capture_layers`` outputs side by side)."""
+        t = int(input_ids.shape[0])
+        rows = logits_rows if logits_rows is not None else torch.arange(t)
+        rows = rows.to(torch.int64).contiguous()
+        logits = torch.empty(rows.shape[0], self.vocab)
+        capture = torch.full((self.num_layers,), -1, dtype=torch.int64)
+        for n, layer_id in enumerate(capture_layers):
+            capture[layer_id] = n
+        hidden = torch.empty(t, len(capture_layers) * self.hidden) if capture_layers else None
+        pool, layout = attn.pool, attn.layout
+        caches = self._cache_addresses(pool)
+        ids = input_ids.to(torch.int64).contiguous()
+        pos = positions.to(torch.int64).contiguous()
+        hq, hkv, d = self.heads
+        rc = self.lib.dspark_decoder_forward_f32(
+            self.sgemm,
+            t,
+            ids.data_ptr(),
+            pos.data_ptr(),
+            attn.slot_mapping.data_ptr(),
+            layout.slots.data_ptr(),
+            layout.slots.shape[1],
+            layout.q_start.data_ptr(),
+            layout.q_len.data_ptr(),
+            layout.kv_limit.data_ptr(),
+            layout.num_seqs,
+            self.embed.data_ptr(),
+            self.hidden,
+            self.num_layers,
+            hq,
+            hkv,
+            d,
+            self.inter,
+            self.eps,
+            self.qk_eps,
+            self.inv_freq.data_ptr(),
+            self.weights.data_ptr(),
+            caches.data_ptr(),
+            self.final_norm.data_ptr(),
+            self.lm_wt.data_ptr(),
+            self.vocab,
+            rows.data_ptr(),
+            rows.shape[0],
+            logits.data_ptr(),
+            capture.data_ptr(),
+            len(capture_layers),
+            hidden.data_ptr() if hidden is not None else None,
+            torch.get_num_threads(),
+        )
+        if rc != 0:
+            raise RuntimeError(f"fused decoder forward failed with code {rc}")
+        return logits, hidden
+
+    def _cache_addresses(self, pool: KVPool) -> torch.Tensor:
+        if self._caches is None or self._caches[0] is not pool:
+            ptrs = [p for i in range(self.num_layers) for p in (pool.k[i].data_ptr(), pool.v[i].data_ptr())]
+            self._caches = (pool, torch.tensor(ptrs, dtype=torch.int64))
+        return self._caches[1]
+
+
+def _is_serving_layout(w: torch.Tensor) -> bool:
+    """A float32 [N, K] weight stored column-major (its transpose contiguous)."""
+    return w.dim() == 2 and w.t().is_contiguous()
+
+
+def _transposed(w: torch.Tensor) -> torch.Tensor:
+    """The contiguous [K, N] view of a column-major [N, K] weight (the same memory)."""
+    wt = w.detach().t()
+    assert wt.is_contiguous()
+    return wt

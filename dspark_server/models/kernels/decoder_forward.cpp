@@ -1,0 +1,111 @@
+// The whole float32 decoder forward over a packed ragged batch in one call: embedding, every
+// layer (RMSNorm, q/k/v GEMM, q/k norm + rotary + K/V store, paged attention, output GEMM with the
+// residual, RMSNorm, gate/up GEMM, silu * up, down GEMM with the residual), the captured layers'
+// outputs, the final norm and the LM head over the rows that need logits.
+//
+// At one decoding request the target's arithmetic is a few hundred microseconds of weight reads,
+// and a forward of ~60 framework calls from Python costs as much again in dispatch. This file is
+// the same sequence of steps as the PyTorch serving path (target.py's forward_kernels), calling
+// the same element-wise and attention kernels (layer_ops.cpp, paged_attention.cpp) and the same
+// BLAS sgemm PyTorch's linear layers call, whose address the caller passes (PyTorch's own MKL),
+// so no BLAS is linked here. Weights are in the serving layout (layers.py: a float32 [N, K]
+// weight stored column-major, i.e. its [K, N] transpose contiguous).
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+extern "C" {
+int dspark_rms_norm(int dtype, const void* x, const void* delta, void* sum_out, const void* w, void* out,
+                    int64_t rows, int64_t dim, float eps, int nthreads);
+int dspark_qk_norm_rope_store(int dtype, const void* qkv, int64_t tokens, int64_t hq, int64_t hkv, int64_t d,
+                              const int64_t* positions, const float* inv_freq, const void* qk_w, float eps,
+                              const int64_t* slots, void* k_cache, void* v_cache, void* q_out, int nthreads);
+int dspark_silu_mul(int dtype, const void* gate_up, void* out, int64_t rows, int64_t inter, int nthreads);
+int dspark_paged_attention(int dtype, const void* q, const void* kc, const void* vc, const int64_t* slots,
+                           int64_t kmax, const int64_t* q_start, const int64_t* q_len, const int64_t* kv_limit,
+                           const void* kx, const void* vx, int64_t nseq, int64_t hq, int64_t hkv, int64_t d,
+                           float scale, void* out, void* lse, int nthreads);
+}
+
+namespace {
+
+// Fortran BLAS sgemm (LP64), column-major.
+using Sgemm = void (*)(const char*, const char*, const int*, const int*, const int*, const float*, const float*,
+                       const int*, const float*, const int*, const float*, float*, const int*);
+
+// out[M, N] = x[M, K] @ wt[K, N] (+ out when accumulate): row-major out is column-major out^T =
+// W (N x K, column-major: wt's rows) times x^T (K x M).
+void linear(Sgemm sgemm, const float* x, int64_t m, int64_t k, const float* wt, int64_t n, float* out,
+            bool accumulate) {
+  const int mi = static_cast<int>(m), ki = static_cast<int>(k), ni = static_cast<int>(n);
+  const float one = 1.f, beta = accumulate ? 1.f : 0.f;
+  sgemm("N", "N", &ni, &mi, &ki, &one, wt, &ni, x, &ki, &beta, out, &ni);
+}
+
+// Per layer, in this order: input norm, qkv weight (transposed), q/k norm weights [hq + hkv, d]
+// (or 0: no q/k norm), output weight, post-attention norm, gate|up weight, down weight.
+constexpr int kLayerWeights = 7;
+
+}  // namespace
+
+extern "C" {
+
+// Returns 0, or 1 for a bad argument, or the first failing kernel's code + 10.
+int dspark_decoder_forward_f32(
+    void* sgemm_fn,
+    // the batch: T new tokens, their positions and destination slots, and the paged layout
+    int64_t tokens, const int64_t* ids, const int64_t* positions, const int64_t* slot_mapping, const int64_t* kv_slots,
+    int64_t kmax, const int64_t* q_start, const int64_t* q_len, const int64_t* kv_limit, int64_t nseq,
+    // the model
+    const float* embed, int64_t hidden, int64_t layers, int64_t hq, int64_t hkv, int64_t d, int64_t inter,
+    float eps, float qk_eps, const float* inv_freq, const int64_t* weights, const int64_t* caches,
+    const float* final_norm, const float* lm_wt, int64_t vocab,
+    // outputs: logits of `rows`, and the outputs of the layers with capture[i] >= 0 at column block capture[i]
+    const int64_t* rows, int64_t nrows, float* logits, const int64_t* capture, int64_t ncap, float* hidden_out,
+    int nthreads) {
+  Sgemm sgemm = reinterpret_cast<Sgemm>(sgemm_fn);
+  if (!sgemm || tokens <= 0 || hidden <= 0 || layers <= 0) return 1;
+  const int64_t qkv_w = (hq + 2 * hkv) * d, big = qkv_w > 2 * inter ? qkv_w : 2 * inter;
+  float* buf = static_cast<float*>(malloc(sizeof(float) * tokens * (3 * hidden + 2 * hq * d + big + inter)));
+  if (!buf) return 1;
+  float *x = buf, *h = x + tokens * hidden, *tmp = h + tokens * hidden, *q = tmp + tokens * hidden;
+  float *att = q + tokens * hq * d, *wide = att + tokens * hq * d, *mid = wide + tokens * big;
+  int rc = 0;
+  for (int64_t t = 0; t < tokens; ++t) memcpy(x + t * hidden, embed + ids[t] * hidden, sizeof(float) * hidden);
+  const float scale = 1.f / sqrtf(static_cast<float>(d));
+  for (int64_t l = 0; l < layers && rc == 0; ++l) {
+    const float* const* w = reinterpret_cast<const float* const*>(weights + l * kLayerWeights);
+    void* kc = reinterpret_cast<void*>(caches[2 * l]);
+    void* vc = reinterpret_cast<void*>(caches[2 * l + 1]);
+    rc = dspark_rms_norm(0, x, nullptr, nullptr, w[0], h, tokens, hidden, eps, nthreads);
+    if (rc) break;
+    linear(sgemm, h, tokens, hidden, w[1], qkv_w, wide, false);
+    rc = dspark_qk_norm_rope_store(0, wide, tokens, hq, hkv, d, positions, inv_freq, w[2], qk_eps, slot_mapping, kc,
+                                   vc, q, nthreads);
+    if (rc) break;
+    rc = dspark_paged_attention(0, q, kc, vc, kv_slots, kmax, q_start, q_len, kv_limit, nullptr, nullptr, nseq, hq,
+                                hkv, d, scale, att, nullptr, nthreads);
+    if (rc) break;
+    linear(sgemm, att, tokens, hq * d, w[3], hidden, tmp, false);
+    // x + attention, then its norm (the residual rounded before the norm, as the PyTorch path)
+    rc = dspark_rms_norm(0, x, tmp, x, w[4], h, tokens, hidden, eps, nthreads);
+    if (rc) break;
+    linear(sgemm, h, tokens, hidden, w[5], 2 * inter, wide, false);
+    rc = dspark_silu_mul(0, wide, mid, tokens, inter, nthreads);
+    if (rc) break;
+    linear(sgemm, mid, tokens, inter, w[6], hidden, tmp, false);
+    for (int64_t i = 0; i < tokens * hidden; ++i) x[i] += tmp[i];
+    if (capture && capture[l] >= 0 && capture[l] < ncap)
+      for (int64_t t = 0; t < tokens; ++t)
+        memcpy(hidden_out + (t * ncap + capture[l]) * hidden, x + t * hidden, sizeof(float) * hidden);
+  }
+  if (rc == 0 && nrows > 0) {
+    for (int64_t r = 0; r < nrows; ++r) memcpy(tmp + r * hidden, x + rows[r] * hidden, sizeof(float) * hidden);
+    rc = dspark_rms_norm(0, tmp, nullptr, nullptr, final_norm, h, nrows, hidden, eps, nthreads);
+    if (rc == 0) linear(sgemm, h, nrows, hidden, lm_wt, vocab, logits, false);
+  }
+  free(buf);
+  return rc ? rc + 10 : 0;
+}
+}
