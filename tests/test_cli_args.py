@@ -40,10 +40,11 @@ def test_flags_reach_the_config() -> None:
     p = argparse.ArgumentParser()
     add_engine_args(p)
     flags = "--model /m --draft /d --gamma 3 --threshold 0.3 --max-running 5 --page-size 32"
-    more = "--no-draft-gate --sps-only-cost --profile p.json --greedy-calibration g.json"
+    more = "--no-draft-gate --sps-only-cost --profile p.json --greedy-calibration g.json --no-fused-forward"
     ns = p.parse_args([*flags.split(), *more.split()])
     cfg = engine_config_from_args(ns)
     assert (cfg.draft_dir, cfg.max_running, cfg.page_size) == ("/d", 5, 32)
+    assert (cfg.fused_forward, cfg.layer_kernels) == (False, True)
     assert cfg.spec == SpeculativeConfig(
         mode="dspark",
         gamma=3,

@@ -66,9 +66,8 @@ class ModelRunner:
 
 
 def tail_rows(offsets: Sequence[int], lengths: Sequence[int], tails: Sequence[int]) -> torch.Tensor:
-    """Packed rows of each chunk's last ``tails[i]`` tokens, in chunk order (a few tensor ops,
-    whatever the number of chunks)."""
-    k = torch.tensor(tails, dtype=torch.long)
-    first = torch.tensor(offsets, dtype=torch.long) + torch.tensor(lengths, dtype=torch.long) - k
-    before = torch.cumsum(k, 0) - k
-    return torch.repeat_interleave(first - before, k) + torch.arange(int(k.sum()))
+    """Packed rows of each chunk's last ``tails[i]`` tokens, in chunk order."""
+    rows: list[int] = []
+    for off, n, k in zip(offsets, lengths, tails, strict=True):
+        rows.extend(range(off + n - k, off + n))
+    return torch.tensor(rows, dtype=torch.long)

@@ -236,6 +236,14 @@ class DSparkDrafter(nn.Module):
             return base_logits, state
         return self.markov_head.step_logits(base_logits, prev_tokens, hidden, state)
 
+    def greedy_tokens(self, base_logits: torch.Tensor, anchor_tokens: torch.Tensor) -> torch.Tensor | None:
+        """The greedy draft x_1..x_g [R, g] from the block's base logits [R, g, V] as one kernel
+        call (the Markov head's ``greedy_block``), or None where it does not apply (then the
+        caller runs ``step_logits`` position by position)."""
+        if self.markov_head is None or self._kernels is None:
+            return None
+        return self.markov_head.greedy_block(self._kernels, base_logits, anchor_tokens)
+
     def confidence_logits(self, hidden: torch.Tensor, prev_tokens: torch.Tensor) -> torch.Tensor | None:
         """Raw confidence logits [...] (float32) from hidden [..., H] and x_{k-1} [...]."""
         if self.confidence_head is None:

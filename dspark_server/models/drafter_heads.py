@@ -15,10 +15,13 @@ through the rank-r bottleneck; nothing here materialises a V x V matrix.
 
 from __future__ import annotations
 
+import ctypes
+
 import torch
 from torch import nn
 
 from dspark_server.models.drafter_config import DraftConfig
+from dspark_server.models.kernel_library import blas_sgemm
 
 
 class MarkovHead(nn.Module):
@@ -64,6 +67,46 @@ class MarkovHead(nn.Module):
         if base_logits.dtype == w2.dtype and base_logits.dim() == 2:
             return torch.addmm(base_logits, z, w2.t()), state
         return base_logits + self.markov_w2(z).to(base_logits.dtype), state
+
+    def greedy_block(
+        self, lib: ctypes.CDLL | None, base_logits: torch.Tensor, anchors: torch.Tensor
+    ) -> torch.Tensor | None:
+        """x_k = argmax(U_k + B_k(x_{k-1})) for k = 1..g as one kernel call (kernels/markov_greedy.cpp):
+        base_logits [R, g, V] float32, anchors [R] -> tokens [R, g]. None where the kernel does not
+        apply (no library or BLAS, a head with a latent other than W1[x], not float32)."""
+        w1, w2 = self.markov_w1.weight, self.markov_w2.weight
+        if (
+            lib is None
+            or type(self).latent is not MarkovHead.latent
+            or not hasattr(lib, "dspark_markov_greedy_f32")
+        ):
+            return None
+        if not (base_logits.dtype == w1.dtype == w2.dtype == torch.float32) or base_logits.dim() != 3:
+            return None
+        sgemm = blas_sgemm()
+        if sgemm is None:
+            return None
+        base = base_logits.contiguous()
+        ids = anchors.to(torch.int64).contiguous()
+        r, g, v = base.shape
+        tokens = torch.empty(r, g, dtype=torch.int64)
+        w1c, w2c = w1.detach().contiguous(), w2.detach().contiguous()
+        rc = lib.dspark_markov_greedy_f32(
+            sgemm,
+            r,
+            g,
+            v,
+            self.rank,
+            base.data_ptr(),
+            ids.data_ptr(),
+            w1c.data_ptr(),
+            w2c.data_ptr(),
+            tokens.data_ptr(),
+            torch.get_num_threads(),
+        )
+        if rc != 0:
+            raise RuntimeError(f"greedy Markov head kernel failed with code {rc}")
+        return tokens
 
     def block_bias(self, prev_tokens: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
         """Teacher-forced biases for whole blocks: prev [..., g], hidden [..., g, H] -> [..., g, V]."""

@@ -5,7 +5,7 @@ The PyTorch serving path (target.py's ``forward_kernels``) makes about fifteen c
 from Python; at a handful of tokens each call costs more in dispatch than in arithmetic, so a
 forward for one decoding request took about twice its weight reads. ``FusedForward`` runs the
 same steps — the same element-wise and attention kernels, the same BLAS sgemm (PyTorch's own,
-found in ``libtorch_cpu``) — as one C++ function, with the layer's weights passed by address.
+``kernel_library.blas_sgemm``) — as one C++ function, with the layer's weights passed by address.
 It applies to float32 models without projection biases whose attention runs the paged kernel;
 ``FusedForward.build`` returns None otherwise and the PyTorch path runs.
 """
@@ -13,32 +13,16 @@ It applies to float32 models without projection biases whose attention runs the 
 from __future__ import annotations
 
 import ctypes
-import functools
 from collections.abc import Sequence
 from dataclasses import dataclass
-from pathlib import Path
 
 import torch
 
 from dspark_server.config import ModelConfig
 from dspark_server.models.attention import KVPool, PagedAttention, resolve_impl
+from dspark_server.models.kernel_library import blas_sgemm
 
 SYMBOL = "dspark_decoder_forward_f32"
-
-
-@functools.cache
-def blas_sgemm() -> int | None:
-    """The address of the Fortran ``sgemm_`` PyTorch's float32 linear layers run (MKL on x86), or None."""
-    lib_dir = Path(torch.__file__).parent / "lib"
-    for name in ("libtorch_cpu.so", "libtorch_cpu.dylib"):
-        path = lib_dir / name
-        if path.is_file():
-            try:
-                fn = ctypes.CDLL(str(path)).sgemm_
-            except (OSError, AttributeError):
-                return None
-            return ctypes.cast(fn, ctypes.c_void_p).value
-    return None
 
 
 @dataclass(frozen=True)

@@ -102,6 +102,21 @@ def load_library() -> ctypes.CDLL | None:
         return None
 
 
+@functools.cache
+def blas_sgemm() -> int | None:
+    """The address of the Fortran ``sgemm_`` PyTorch's float32 linear layers run (MKL on x86), or None."""
+    lib_dir = Path(torch.__file__).parent / "lib"
+    for name in ("libtorch_cpu.so", "libtorch_cpu.dylib"):
+        path = lib_dir / name
+        if path.is_file():
+            try:
+                fn = ctypes.CDLL(str(path)).sgemm_
+            except (OSError, AttributeError):
+                return None
+            return ctypes.cast(fn, ctypes.c_void_p).value
+    return None
+
+
 _C, _F = ctypes.c_int, ctypes.c_float
 SIGNATURES = {  # every function returns an int status (0: done)
     # dtype; q, kc, vc, slots; kmax; q_start, q_len, kv_limit, kx, vx; nseq, hq, hkv, d; scale; out, lse;
@@ -133,6 +148,8 @@ SIGNATURES = {  # every function returns an int status (0: done)
         _P,
     ]
     + [_I, _P, _P, _I, _P, _C],
+    # sgemm; rows, g, vocab, rank; base, anchors, w1, w2, tokens; threads
+    "dspark_markov_greedy_f32": [_P, *[_I] * 4, *[_P] * 5, _C],
 }
 
 

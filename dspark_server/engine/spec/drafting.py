@@ -37,6 +37,11 @@ def sample_drafts(
     """Left to right over the γ positions of every request's block; seeded rows (a key) draw
     x_k by keyed Gumbel-max at output position key + k, the noise their target draw will use."""
     greedy = sampling.all_greedy
+    if greedy:
+        fast = drafter.greedy_tokens(block.logits[:, :gamma], anchors)
+        if fast is not None:
+            before = torch.cat([anchors.long()[:, None], fast[:, :-1]], dim=1)  # x_{k-1}
+            return Drafts(fast, None, drafter.confidence_logits(block.hidden[:, :gamma], before))
     # one draw per request for the whole block: x_k uses column k
     uniforms = None if greedy else torch.stack([torch.rand(gamma, generator=g) for g in generators])
     state = drafter.init_head_state(block.hidden[:, 0])
