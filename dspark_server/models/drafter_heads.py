@@ -32,6 +32,7 @@ class MarkovHead(nn.Module):
         self.rank = rank
         self.markov_w1 = nn.Embedding(vocab_size, rank)
         self.markov_w2 = nn.Linear(rank, vocab_size, bias=False)
+        self._w2t: tuple[tuple[int, int], torch.Tensor] | None = None  # greedy_block's W2^T
 
     def prev_embed(self, prev_tokens: torch.Tensor) -> torch.Tensor:
         """W1[x] for token ids of any shape -> [..., r]."""
@@ -90,7 +91,7 @@ class MarkovHead(nn.Module):
         ids = anchors.to(torch.int64).contiguous()
         r, g, v = base.shape
         tokens = torch.empty(r, g, dtype=torch.int64)
-        w1c, w2c = w1.detach().contiguous(), w2.detach().contiguous()
+        w1c, w2t = w1.detach().contiguous(), self._w2_transposed()
         rc = lib.dspark_markov_greedy_f32(
             sgemm,
             r,
@@ -100,13 +101,21 @@ class MarkovHead(nn.Module):
             base.data_ptr(),
             ids.data_ptr(),
             w1c.data_ptr(),
-            w2c.data_ptr(),
+            w2t.data_ptr(),
             tokens.data_ptr(),
             torch.get_num_threads(),
         )
         if rc != 0:
             raise RuntimeError(f"greedy Markov head kernel failed with code {rc}")
         return tokens
+
+    def _w2_transposed(self) -> torch.Tensor:
+        """W2 [V, r] as a contiguous [r, V] copy (what the kernel streams), rebuilt if W2 changed."""
+        w2 = self.markov_w2.weight
+        key = (w2.data_ptr(), w2._version)
+        if self._w2t is None or self._w2t[0] != key:
+            self._w2t = (key, w2.detach().t().contiguous())
+        return self._w2t[1]
 
     def block_bias(self, prev_tokens: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
         """Teacher-forced biases for whole blocks: prev [..., g], hidden [..., g, H] -> [..., g, V]."""

@@ -12,27 +12,43 @@ namespace {
 using Sgemm = void (*)(const char*, const char*, const int*, const int*, const int*, const float*, const float*,
                        const int*, const float*, const int*, const float*, float*, const int*);
 
-int64_t argmax(const float* x, int64_t n) {
-  int64_t best = 0;
-  float m = x[0];
-  for (int64_t i = 1; i < n; ++i)
-    if (x[i] > m) {
-      m = x[i];
-      best = i;
-    }
-  return best;
+constexpr int64_t kDirectRows = 2;  // up to this many requests: one pass over W2^T per request
+
+// The first maximum of x[lo, hi) -> (value, index).
+inline void argmax(const float* x, int64_t lo, int64_t hi, float* best, int64_t* at) {
+  float m = x[lo];
+#pragma omp simd reduction(max : m)
+  for (int64_t i = lo; i < hi; ++i) m = x[i] > m ? x[i] : m;
+  int64_t i = lo;
+  while (i < hi && !(x[i] == m)) ++i;
+  *best = m;
+  *at = i < hi ? i : lo;
+}
+
+// logits[lo, hi) = base + sum_j z[j] * w2t[j, lo:hi) for one request.
+inline void bias_direct(const float* base, const float* z, const float* w2t, int64_t vocab, int64_t rank, int64_t lo,
+                        int64_t hi, float* logits) {
+  for (int64_t v = lo; v < hi; ++v) logits[v] = base[v];
+  for (int64_t j = 0; j < rank; ++j) {
+    const float zj = z[j];
+    const float* w = w2t + j * vocab;
+#pragma omp simd
+    for (int64_t v = lo; v < hi; ++v) logits[v] += zj * w[v];
+  }
 }
 }  // namespace
 
 extern "C" {
 
-// base [R, g, V] (U_k per position), anchors [R], w1 [V, r], w2 [V, r] (both row-major) ->
-// tokens [R, g]. Returns 0, or 1 for a bad argument.
+// base [R, g, V] (U_k per position), anchors [R], w1 [V, r] row-major, w2t [r, V] (W2 transposed,
+// contiguous) -> tokens [R, g]. Returns 0, or 1 for a bad argument.
 int dspark_markov_greedy_f32(void* sgemm_fn, int64_t rows, int64_t g, int64_t vocab, int64_t rank, const float* base,
-                             const int64_t* anchors, const float* w1, const float* w2, int64_t* tokens,
+                             const int64_t* anchors, const float* w1, const float* w2t, int64_t* tokens,
                              int nthreads) {
   Sgemm sgemm = reinterpret_cast<Sgemm>(sgemm_fn);
   if (!sgemm || rows <= 0 || g <= 0 || vocab <= 0 || rank <= 0) return 1;
+  for (int64_t i = 0; i < rows; ++i)
+    if (anchors[i] < 0 || anchors[i] >= vocab) return 1;
   float* z = static_cast<float*>(malloc(sizeof(float) * rows * (rank + vocab)));
   int64_t* prev = static_cast<int64_t*>(malloc(sizeof(int64_t) * rows));
   if (!z || !prev) {
@@ -44,27 +60,42 @@ int dspark_markov_greedy_f32(void* sgemm_fn, int64_t rows, int64_t g, int64_t vo
   for (int64_t i = 0; i < rows; ++i) prev[i] = anchors[i];
   const int vi = static_cast<int>(vocab), ri = static_cast<int>(rows), ki = static_cast<int>(rank);
   const float one = 1.f;
-  int rc = 0;
-  for (int64_t k = 0; k < g && rc == 0; ++k) {
-    for (int64_t i = 0; i < rows; ++i) {
-      if (prev[i] < 0 || prev[i] >= vocab) {
-        rc = 1;
-        break;
+  for (int64_t k = 0; k < g; ++k) {
+    for (int64_t i = 0; i < rows; ++i) memcpy(z + i * rank, w1 + prev[i] * rank, sizeof(float) * rank);
+    if (rows <= kDirectRows) {
+      // few requests: each thread takes a slice of the vocabulary of every request
+      for (int64_t i = 0; i < rows; ++i) {
+        const int nt = nthreads > 1 ? nthreads : 1;
+        float best[64];
+        int64_t at[64];
+        const int parts = nt < 64 ? nt : 64;
+#pragma omp parallel for num_threads(parts) schedule(static)
+        for (int p = 0; p < parts; ++p) {
+          const int64_t lo = vocab * p / parts, hi = vocab * (p + 1) / parts;
+          bias_direct(base + (i * g + k) * vocab, z + i * rank, w2t, vocab, rank, lo, hi, logits + i * vocab);
+          argmax(logits + i * vocab, lo, hi, &best[p], &at[p]);
+        }
+        int64_t win = at[0];
+        float m = best[0];
+        for (int p = 1; p < parts; ++p)
+          if (best[p] > m) m = best[p], win = at[p];
+        prev[i] = win;
+        tokens[i * g + k] = win;
       }
-      memcpy(z + i * rank, w1 + prev[i] * rank, sizeof(float) * rank);
-      memcpy(logits + i * vocab, base + (i * g + k) * vocab, sizeof(float) * vocab);
+      continue;
     }
-    if (rc) break;
-    // logits^T (V x R, column-major) += W2 (V x r: w2 read transposed) . z^T (r x R)
-    sgemm("T", "N", &vi, &ri, &ki, &one, w2, &ki, z, &ki, &one, logits, &vi);
+    for (int64_t i = 0; i < rows; ++i) memcpy(logits + i * vocab, base + (i * g + k) * vocab, sizeof(float) * vocab);
+    // logits^T (V x R, column-major) += W2 (V x r: w2t read as column-major) . z^T (r x R)
+    sgemm("N", "N", &vi, &ri, &ki, &one, w2t, &vi, z, &ki, &one, logits, &vi);
 #pragma omp parallel for num_threads(nthreads) if (rows * vocab >= (1 << 16))
     for (int64_t i = 0; i < rows; ++i) {
-      prev[i] = argmax(logits + i * vocab, vocab);
+      float m;
+      argmax(logits + i * vocab, 0, vocab, &m, &prev[i]);
       tokens[i * g + k] = prev[i];
     }
   }
   free(z);
   free(prev);
-  return rc;
+  return 0;
 }
 }
