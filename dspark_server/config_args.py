@@ -112,7 +112,12 @@ def add_engine_args(
         default=None,
         help=f"weights dtype (default: {field_default(EngineConfig, 'dtype')} native, auto sglang)",
     )
-    g.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's)")
+    g.add_argument(
+        "--threads",
+        type=int,
+        default=None,
+        help="torch CPU threads (default: torch's; `dspark serve` with the engine process: CPUs - 1)",
+    )
     g.add_argument(
         "--attention-impl",
         choices=ATTENTION_IMPLS,

@@ -27,7 +27,12 @@ def _warm(gate: DraftGate, ids: list[str], draft: tuple[int, float], plain_s: fl
 
 def test_gate_measures_both_then_follows_the_faster_and_explores() -> None:
     gate = DraftGate(
-        explore_every=4, max_explore_interval=4, max_explore_overhead=0.5, min_samples=1, prior_samples=0
+        explore_every=4,
+        max_explore_interval=4,
+        max_explore_overhead=0.5,
+        min_samples=1,
+        prior_samples=0,
+        request_smoothing=0.5,
     )
     _warm(gate, IDS8, (10, 1.0), 1.0)  # drafting: 80 tokens/s, plain: 8 tokens/s
     picks = [drafts_all(gate, IDS8) for _ in range(8)]
@@ -105,6 +110,7 @@ def test_while_plain_is_faster_a_few_requests_explore_drafting_for_all() -> None
         min_samples=1,
         partial_explore_overhead=0.01,
         prior_samples=0,
+        request_smoothing=0.5,
     )
     assert gate.choose(ids) == list(range(64))  # warm-up: one of each
     gate.record(ids, True, [1] * 52 + [2] * 12, 0.060, regimes=[1.0] * 64)
@@ -210,7 +216,7 @@ def test_forecasts_are_corrected_by_what_drafting_kept_per_regime() -> None:
 def test_newcomers_are_explored_while_their_prior_rests_on_few_samples() -> None:
     # a fresh server's first request (a short warm-up prompt) accepted little: on that prior
     # alone, every later request stayed on plain steps and the prior never learnt otherwise
-    gate = DraftGate(explore_every=4, min_samples=1, prior_samples=3, smoothing=0.05)
+    gate = DraftGate(explore_every=4, min_samples=1, prior_samples=3, smoothing=0.05, request_smoothing=0.5)
     gate.choose(["warm"], [0.0])
     gate.record(["warm"], True, [1.2], 0.004, regimes=[0.0], kept=[1])
     gate.choose(["warm"], [0.0])

@@ -4,6 +4,7 @@ replayed for the metrics layer, aborts and a dying engine that free what they ho
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import os
 import signal
 import time
@@ -103,6 +104,15 @@ def test_closing_a_stream_aborts_the_request_and_frees_its_pages(backend: Engine
         time.sleep(0.02)
     assert backend.load().kv_free_pages == load.kv_total_pages
     assert backend.stats.finished_by_reason.get("abort", 0) >= 1
+
+
+def test_the_engine_leaves_a_core_to_the_http_process_unless_told(cfg: EngineConfig) -> None:
+    """With --threads unset the engine process computes on the CPUs this process may use, less
+    one (at least one); an explicit count is kept."""
+    cpus = len(os.sched_getaffinity(0))
+    unset = EngineProcessBackend(dataclasses.replace(cfg, num_threads=None))
+    assert unset.cfg.num_threads == max(1, cpus - 1)
+    assert EngineProcessBackend(dataclasses.replace(cfg, num_threads=3)).cfg.num_threads == 3
 
 
 def test_invalid_prompts_are_refused_before_reaching_the_engine(backend: EngineProcessBackend) -> None:
