@@ -161,18 +161,22 @@ def test_confidence_logit_formula() -> None:
     torch.testing.assert_close(d.confidence_logits(h, prev), ref)
 
 
-@pytest.mark.parametrize("layers", ["kernels", "torch"])
+@pytest.mark.parametrize("layers", ["fused", "kernels", "torch"])
 @pytest.mark.parametrize("head", HEADS)
 def test_serving_path_matches_training_path(head: str, layers: str, monkeypatch: pytest.MonkeyPatch) -> None:
     """Context K/V written to a pool in two commits + batched backbone == forward_train, with
-    the serving layers on the fused kernels or on PyTorch ops."""
-    d = make_drafter(make_target(), head)
+    the block pass as one fused call, the serving layers on the element-wise kernels, or on
+    PyTorch ops."""
+    target = make_target()
+    d = make_drafter(target, head)
     lib = load_library()
-    if layers == "kernels":
+    if layers != "torch":
         if lib is None:
             pytest.skip("the C++ kernel library could not be built")
+        target.fuse_projections()  # the shared LM head in its serving layout, as when serving
         d.fuse_projections()
-        d.use_kernels(lib)
+        d.use_kernels(lib, fused=layers == "fused")
+        assert (d._fused is not None) == (layers == "fused")
     calls: list[int] = []
     real = layer_ops.qk_norm_rope_store
     monkeypatch.setattr(layer_ops, "qk_norm_rope_store", lambda *a: calls.append(1) or real(*a))
@@ -205,8 +209,9 @@ def test_serving_path_matches_training_path(head: str, layers: str, monkeypatch:
             atol=1e-5,
             rtol=1e-5,
         )
-    # kernels: 2 layers x (2 context writes + 1 backbone); none on the PyTorch path
-    assert len(calls) == (6 if layers == "kernels" else 0)
+    # kernels: 2 layers x (2 context writes + 1 backbone; fused: the backbone is one other call);
+    # none on the PyTorch path
+    assert len(calls) == {"fused": 4, "kernels": 6, "torch": 0}[layers]
 
 
 def test_training_block_sees_only_its_context_prefix() -> None:

@@ -32,7 +32,8 @@ from dspark_server.models.drafter_attention import gather_attends, paged_block_a
 from dspark_server.models.drafter_config import DraftConfig
 from dspark_server.models.drafter_heads import build_confidence_head, build_markov_head
 from dspark_server.models.drafter_layers import DraftLayer
-from dspark_server.models.layers import RMSNorm, RotaryEmbedding
+from dspark_server.models.fused_forward import DecoderShape, DecoderWeights, FusedForward, LayerWeights
+from dspark_server.models.layers import RMSNorm, RotaryEmbedding, serving_layout_
 from dspark_server.models.paged_layout import PagedLayout
 from dspark_server.models.target import TargetModel
 
@@ -108,16 +109,55 @@ class DSparkDrafter(nn.Module):
         self.confidence_head = build_confidence_head(cfg)
         self.rotary_emb = RotaryEmbedding(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling)
         self._kernels: ctypes.CDLL | None = None  # use_kernels
+        self._fused: FusedForward | None = None
 
     def fuse_projections(self) -> None:
         """Serving: fused q/k/v and gate/up GEMMs in every layer (names and values unchanged)."""
         for layer in cast("list[DraftLayer]", self.layers):
             layer.fuse()
+            serving_layout_(layer.self_attn.o_proj)
+            serving_layout_(layer.mlp.down_proj)
 
-    def use_kernels(self, lib: ctypes.CDLL | None) -> None:
+    def use_kernels(self, lib: ctypes.CDLL | None, fused: bool = True) -> None:
         """Serve with the fused element-wise kernels of ``lib`` (after ``fuse_projections``), or
-        with the PyTorch ops (None)."""
+        with the PyTorch ops (None). With ``fused``, a float32 block pass is one call into the
+        library (the target's fused forward in block mode, models/fused_forward.py)."""
         self._kernels = lib
+        weights = self._decoder_weights() if fused and not self.config.attention_bias else None
+        self._fused = FusedForward.build(lib, self._shape(), weights) if weights is not None else None
+
+    def _shape(self) -> DecoderShape:
+        c = self.config
+        heads = (c.num_attention_heads, c.num_key_value_heads, c.head_dim)
+        return DecoderShape(
+            c.hidden_size, c.vocab_size, heads, c.intermediate_size, c.rms_norm_eps, c.rms_norm_eps
+        )
+
+    def _decoder_weights(self) -> DecoderWeights | None:
+        """The block pass's serving weights (None before ``fuse_projections``)."""
+        layers = []
+        for layer in cast("list[DraftLayer]", self.layers):
+            a, mlp = layer.self_attn, layer.mlp
+            if a._qkv is None or a._qkv[1] is not None or mlp._gate_up is None or mlp._gate_up[1] is not None:
+                return None
+            lw = LayerWeights(
+                layer.input_layernorm.weight.data,
+                a._qkv[0],
+                a._qk_weight,
+                a.o_proj.weight.data,
+                layer.post_attention_layernorm.weight.data,
+                mlp._gate_up[0],
+                mlp.down_proj.weight.data,
+            )
+            layers.append(lw)
+        shared = self.shared
+        return DecoderWeights(
+            shared.embed_tokens.weight,
+            layers,
+            self.norm.weight.data,
+            shared.lm_head.weight.data,
+            self.rotary_emb.inv_freq,
+        )
 
     def _kernels_for(self, x: torch.Tensor, pool: KVPool) -> ctypes.CDLL | None:
         fused = cast("DraftLayer", self.layers[0]).self_attn._qkv is not None
@@ -190,6 +230,12 @@ class DSparkDrafter(nn.Module):
         ids = torch.full((r, g), self.config.mask_token_id, dtype=torch.long)
         ids[:, 0] = anchor_tokens
         pos = (anchor_positions.long()[:, None] + torch.arange(g)).reshape(-1)
+        fused = self._fused
+        if fused is not None and not torch.is_grad_enabled() and fused.reads(pool):
+            logits, normed = fused.block(
+                ids.reshape(-1), pos, pool, PagedLayout.blocks(ctx.slots, ctx.lens, g)
+            )
+            return DraftBlock(hidden=normed.view(r, g, -1), logits=logits.view(r, g, -1))
         x = self.embed(ids.reshape(-1))
         hq, hkv, d = self.config.num_attention_heads, self.config.num_key_value_heads, self.config.head_dim
         if resolve_impl(pool.impl, x.dtype, pool.k[0], hq) == "gather":

@@ -7,20 +7,22 @@ forward for one decoding request took about twice its weight reads. ``FusedForwa
 same steps — the same element-wise and attention kernels, the same BLAS sgemm (PyTorch's own,
 ``kernel_library.blas_sgemm``) — as one C++ function, with the layer's weights passed by address.
 It applies to float32 models without projection biases whose attention runs the paged kernel;
-``FusedForward.build`` returns None otherwise and the PyTorch path runs.
+``FusedForward.build`` returns None otherwise and the PyTorch path runs. The drafter's parallel
+block pass is the same forward in block mode (``FusedForward.block``).
 """
 
 from __future__ import annotations
 
 import ctypes
+import weakref
 from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
 
-from dspark_server.config import ModelConfig
 from dspark_server.models.attention import KVPool, PagedAttention, resolve_impl
 from dspark_server.models.kernel_library import blas_sgemm
+from dspark_server.models.paged_layout import PagedLayout
 
 SYMBOL = "dspark_decoder_forward_f32"
 
@@ -40,6 +42,16 @@ class LayerWeights:
 
 
 @dataclass(frozen=True)
+class DecoderShape:
+    hidden: int
+    vocab: int
+    heads: tuple[int, int, int]  # query heads, key/value heads, head size
+    intermediate: int
+    eps: float  # the layers' RMSNorm epsilon
+    qk_eps: float  # the q/k norms' (unused without q/k norm weights)
+
+
+@dataclass(frozen=True)
 class DecoderWeights:
     embed: torch.Tensor  # [V, H]
     layers: Sequence[LayerWeights]
@@ -53,14 +65,12 @@ class FusedForward:
     layout. The model keeps the tensors they point into alive (this object keeps the row-major copy
     of a column-major embedding table)."""
 
-    def __init__(self, lib: ctypes.CDLL, sgemm: int, cfg: ModelConfig, w: DecoderWeights) -> None:
+    def __init__(self, lib: ctypes.CDLL, sgemm: int, shape: DecoderShape, w: DecoderWeights) -> None:
         self.lib, self.sgemm = lib, sgemm
-        self.hidden, self.vocab = cfg.hidden_size, cfg.vocab_size
-        self.heads = (cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim)
-        self.inter, self.eps = cfg.intermediate_size, cfg.rms_norm_eps
-        self.qk_eps = cfg.rms_norm_eps if cfg.uses_qk_norm else 0.0
+        self.hidden, self.vocab, self.heads = shape.hidden, shape.vocab, shape.heads
+        self.inter, self.eps, self.qk_eps = shape.intermediate, shape.eps, shape.qk_eps
         self.inv_freq = w.inv_freq.float().contiguous()
-        self.embed = w.embed.detach().contiguous()  # rows are gathered: a column-major table is copied
+        self.embed = row_major(w.embed)  # rows are gathered: a column-major table is copied, once
         self.final_norm = w.final_norm.detach()
         self.lm_wt = _transposed(w.lm_head)
         ptrs: list[int] = []
@@ -79,10 +89,11 @@ class FusedForward:
         self._caches: tuple[KVPool, torch.Tensor] | None = None
 
     @classmethod
-    def build(cls, lib: ctypes.CDLL | None, cfg: ModelConfig, w: DecoderWeights) -> FusedForward | None:
-        """The fused forward for these weights, or None where it does not apply (no library,
-        not float32, projection biases, a weight not in the serving layout, no BLAS found)."""
-        if lib is None or not hasattr(lib, SYMBOL) or cfg.attention_bias:
+    def build(cls, lib: ctypes.CDLL | None, shape: DecoderShape, w: DecoderWeights) -> FusedForward | None:
+        """The fused forward for these weights (without projection biases: the caller checks),
+        or None where it does not apply (no library, not float32, a weight not in the serving
+        layout, no BLAS found)."""
+        if lib is None or not hasattr(lib, SYMBOL):
             return None
         mats = [w.lm_head] + [m for lw in w.layers for m in (lw.qkv, lw.o_proj, lw.gate_up, lw.down)]
         if not all(
@@ -90,13 +101,17 @@ class FusedForward:
         ):
             return None
         sgemm = blas_sgemm()
-        return None if sgemm is None else cls(lib, sgemm, cfg, w)
+        return None if sgemm is None else cls(lib, sgemm, shape, w)
 
     def applies(self, attn: object) -> bool:
         """Whether this forward can run over ``attn`` (a float32 pool the paged kernel reads)."""
-        if not isinstance(attn, PagedAttention) or attn.pool.k.dtype != torch.float32:
+        return isinstance(attn, PagedAttention) and self.reads(attn.pool)
+
+    def reads(self, pool: KVPool) -> bool:
+        """Whether the paged kernel reads this pool (float32, impl auto / kernel)."""
+        if pool.k.dtype != torch.float32:
             return False
-        return resolve_impl(attn.pool.impl, torch.float32, attn.pool.k[0], self.heads[0]) == "kernel"
+        return resolve_impl(pool.impl, torch.float32, pool.k[0], self.heads[0]) == "kernel"
 
     def __call__(
         self,
@@ -107,6 +122,33 @@ class FusedForward:
         capture_layers: tuple[int, ...],
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """(logits of ``logits_rows`` (all rows if None), the ``capture_layers`` outputs side by side)."""
+        logits, hidden, _ = self.run(
+            input_ids, positions, attn.pool, attn.layout, attn.slot_mapping, logits_rows, capture_layers
+        )
+        return logits, hidden
+
+    def block(
+        self, input_ids: torch.Tensor, positions: torch.Tensor, pool: KVPool, layout: PagedLayout
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The drafter's parallel block pass: every sequence's block rows attend to its context in
+        ``pool`` (``layout``: PagedLayout.blocks) and to each other, unmasked; nothing is stored
+        in the pool. -> (logits [T, V], final-norm output [T, H]) for every row."""
+        logits, _, normed = self.run(input_ids, positions, pool, layout, None, None, (), block=True)
+        assert normed is not None
+        return logits, normed
+
+    def run(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        pool: KVPool,
+        layout: PagedLayout,
+        slot_mapping: torch.Tensor | None,
+        logits_rows: torch.Tensor | None,
+        capture_layers: tuple[int, ...],
+        block: bool = False,
+    ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+        """(logits, captured layers, final-norm output in block mode) of one fused call."""
         t = int(input_ids.shape[0])
         rows = logits_rows if logits_rows is not None else torch.arange(t)
         rows = rows.to(torch.int64).contiguous()
@@ -115,7 +157,9 @@ class FusedForward:
         for n, layer_id in enumerate(capture_layers):
             capture[layer_id] = n
         hidden = torch.empty(t, len(capture_layers) * self.hidden) if capture_layers else None
-        pool, layout = attn.pool, attn.layout
+        normed = torch.empty(rows.shape[0], self.hidden) if block else None
+        if slot_mapping is None and not block:
+            raise ValueError("a forward that stores its keys needs their slots")
         caches = self._cache_addresses(pool)
         ids = input_ids.to(torch.int64).contiguous()
         pos = positions.to(torch.int64).contiguous()
@@ -125,7 +169,7 @@ class FusedForward:
             t,
             ids.data_ptr(),
             pos.data_ptr(),
-            attn.slot_mapping.data_ptr(),
+            slot_mapping.data_ptr() if slot_mapping is not None else None,
             layout.slots.data_ptr(),
             layout.slots.shape[1],
             layout.q_start.data_ptr(),
@@ -153,17 +197,38 @@ class FusedForward:
             capture.data_ptr(),
             len(capture_layers),
             hidden.data_ptr() if hidden is not None else None,
+            int(block),
+            normed.data_ptr() if normed is not None else None,
             torch.get_num_threads(),
         )
         if rc != 0:
             raise RuntimeError(f"fused decoder forward failed with code {rc}")
-        return logits, hidden
+        return logits, hidden, normed
 
     def _cache_addresses(self, pool: KVPool) -> torch.Tensor:
         if self._caches is None or self._caches[0] is not pool:
             ptrs = [p for i in range(self.num_layers) for p in (pool.k[i].data_ptr(), pool.v[i].data_ptr())]
             self._caches = (pool, torch.tensor(ptrs, dtype=torch.int64))
         return self._caches[1]
+
+
+_ROW_MAJOR: dict[int, tuple[weakref.ref[torch.Tensor], torch.Tensor]] = {}
+
+
+def row_major(weight: torch.Tensor) -> torch.Tensor:
+    """``weight`` itself if contiguous, else a contiguous copy shared by every caller holding the
+    same tensor (the target and its drafter gather embedding rows from one tied table); the copy
+    lives as long as the tensor."""
+    if weight.is_contiguous():
+        return weight.detach()
+    for key in [k for k, (ref, _) in _ROW_MAJOR.items() if ref() is None]:
+        del _ROW_MAJOR[key]
+    hit = _ROW_MAJOR.get(id(weight))
+    if hit is not None and hit[0]() is weight and hit[1].shape == weight.shape:
+        return hit[1]
+    copy = weight.detach().contiguous()
+    _ROW_MAJOR[id(weight)] = (weakref.ref(weight), copy)
+    return copy
 
 
 def _is_serving_layout(w: torch.Tensor) -> bool:

@@ -131,23 +131,9 @@ SIGNATURES = {  # every function returns an int status (0: done)
     "dspark_silu_mul": [_C, _P, _P, _I, _I, _C],
     # sgemm; tokens, ids, positions, slot_mapping, kv_slots; kmax, q_start, q_len, kv_limit; nseq;
     # embed; hidden, layers, hq, hkv, d, inter; eps, qk_eps; inv_freq, weights, caches, final_norm,
-    # lm_wt; vocab; rows; nrows; logits; capture; ncap; hidden_out; threads
-    "dspark_decoder_forward_f32": [
-        _P,
-        _I,
-        *[_P] * 4,
-        _I,
-        *[_P] * 3,
-        _I,
-        _P,
-        *[_I] * 6,
-        _F,
-        _F,
-        *[_P] * 5,
-        _I,
-        _P,
-    ]
-    + [_I, _P, _P, _I, _P, _C],
+    # lm_wt; vocab; rows; nrows; logits; capture; ncap; hidden_out; block_mode; normed_out; threads
+    "dspark_decoder_forward_f32": [_P, _I, *[_P] * 4, _I, *[_P] * 3, _I, _P, *[_I] * 6, _F, _F]
+    + [*[_P] * 5, _I, _P, _I, _P, _P, _I, _P, _C, _P, _C],
     # sgemm; rows, g, vocab, rank; base, anchors, w1, w2, tokens; threads
     "dspark_markov_greedy_f32": [_P, *[_I] * 4, *[_P] * 5, _C],
 }

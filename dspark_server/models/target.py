@@ -17,7 +17,7 @@ from torch import nn
 from dspark_server.config import ModelConfig
 from dspark_server.models import layer_ops
 from dspark_server.models.attention import AttentionBackend, PagedAttention
-from dspark_server.models.fused_forward import DecoderWeights, FusedForward, LayerWeights
+from dspark_server.models.fused_forward import DecoderShape, DecoderWeights, FusedForward, LayerWeights
 from dspark_server.models.layers import (
     RMSNorm,
     RotaryEmbedding,
@@ -226,8 +226,15 @@ class TargetModel(nn.Module):
         With ``fused`` (and projections fused), a float32 forward is one call into the library
         (models/fused_forward.py)."""
         self._kernels = lib
-        weights = self._decoder_weights() if fused else None
-        self._fused = FusedForward.build(lib, self.config, weights) if weights is not None else None
+        weights = self._decoder_weights() if fused and not self.config.attention_bias else None
+        self._fused = FusedForward.build(lib, self._shape(), weights) if weights is not None else None
+
+    def _shape(self) -> DecoderShape:
+        c = self.config
+        heads = (c.num_attention_heads, c.num_key_value_heads, c.head_dim)
+        return DecoderShape(
+            c.hidden_size, c.vocab_size, heads, c.intermediate_size, c.rms_norm_eps, c.rms_norm_eps
+        )
 
     def _decoder_weights(self) -> DecoderWeights | None:
         """The serving weights the fused forward reads (None before ``fuse_projections``)."""
@@ -248,7 +255,7 @@ class TargetModel(nn.Module):
             layers.append(lw)
         stack = self.model
         return DecoderWeights(
-            stack.embed_tokens.weight.data,
+            stack.embed_tokens.weight,
             layers,
             stack.norm.weight.data,
             self.lm_head.weight.data,

@@ -63,7 +63,10 @@ int dspark_decoder_forward_f32(
     const float* final_norm, const float* lm_wt, int64_t vocab,
     // outputs: logits of `rows`, and the outputs of the layers with capture[i] >= 0 at column block capture[i]
     const int64_t* rows, int64_t nrows, float* logits, const int64_t* capture, int64_t ncap, float* hidden_out,
-    int nthreads) {
+    // block mode (the drafter's block): new keys / values are not stored in the pool but attended
+    // to, unmasked, by the queries of their own sequence (slot_mapping unused); normed_out: the
+    // final norm's output of `rows` [nrows, hidden], or null
+    int block_mode, float* normed_out, int nthreads) {
   Sgemm sgemm = reinterpret_cast<Sgemm>(sgemm_fn);
   if (!sgemm || tokens <= 0 || hidden <= 0 || layers <= 0) return 1;
   const int64_t qkv_w = (hq + 2 * hkv) * d, big = qkv_w > 2 * inter ? qkv_w : 2 * inter;
@@ -72,6 +75,20 @@ int dspark_decoder_forward_f32(
   float *x = buf, *h = x + tokens * hidden, *tmp = h + tokens * hidden, *q = tmp + tokens * hidden;
   float *att = q + tokens * hq * d, *wide = att + tokens * hq * d, *mid = wide + tokens * big;
   int rc = 0;
+  float *kx = nullptr, *vx = nullptr;
+  int64_t* self_slots = nullptr;
+  if (block_mode) {  // the block's own keys and values, row t at "slot" t of a scratch cache
+    kx = static_cast<float*>(malloc(sizeof(float) * tokens * hkv * d * 2));
+    self_slots = static_cast<int64_t*>(malloc(sizeof(int64_t) * tokens));
+    if (!kx || !self_slots) {
+      free(kx);
+      free(self_slots);
+      free(buf);
+      return 1;
+    }
+    vx = kx + tokens * hkv * d;
+    for (int64_t t = 0; t < tokens; ++t) self_slots[t] = t;
+  }
   for (int64_t t = 0; t < tokens; ++t) memcpy(x + t * hidden, embed + ids[t] * hidden, sizeof(float) * hidden);
   const float scale = 1.f / sqrtf(static_cast<float>(d));
   for (int64_t l = 0; l < layers && rc == 0; ++l) {
@@ -81,11 +98,12 @@ int dspark_decoder_forward_f32(
     rc = dspark_rms_norm(0, x, nullptr, nullptr, w[0], h, tokens, hidden, eps, nthreads);
     if (rc) break;
     linear(sgemm, h, tokens, hidden, w[1], qkv_w, wide, false);
-    rc = dspark_qk_norm_rope_store(0, wide, tokens, hq, hkv, d, positions, inv_freq, w[2], qk_eps, slot_mapping, kc,
-                                   vc, q, nthreads);
+    rc = dspark_qk_norm_rope_store(0, wide, tokens, hq, hkv, d, positions, inv_freq, w[2], qk_eps,
+                                   block_mode ? self_slots : slot_mapping, block_mode ? kx : kc,
+                                   block_mode ? vx : vc, q, nthreads);
     if (rc) break;
-    rc = dspark_paged_attention(0, q, kc, vc, kv_slots, kmax, q_start, q_len, kv_limit, nullptr, nullptr, nseq, hq,
-                                hkv, d, scale, att, nullptr, nthreads);
+    rc = dspark_paged_attention(0, q, kc, vc, kv_slots, kmax, q_start, q_len, kv_limit, kx, vx, nseq, hq, hkv, d, scale,
+                                att, nullptr, nthreads);
     if (rc) break;
     linear(sgemm, att, tokens, hq * d, w[3], hidden, tmp, false);
     // x + attention, then its norm (the residual rounded before the norm, as the PyTorch path)
@@ -103,8 +121,11 @@ int dspark_decoder_forward_f32(
   if (rc == 0 && nrows > 0) {
     for (int64_t r = 0; r < nrows; ++r) memcpy(tmp + r * hidden, x + rows[r] * hidden, sizeof(float) * hidden);
     rc = dspark_rms_norm(0, tmp, nullptr, nullptr, final_norm, h, nrows, hidden, eps, nthreads);
+    if (rc == 0 && normed_out) memcpy(normed_out, h, sizeof(float) * nrows * hidden);
     if (rc == 0) linear(sgemm, h, nrows, hidden, lm_wt, vocab, logits, false);
   }
+  free(kx);
+  free(self_slots);
   free(buf);
   return rc ? rc + 10 : 0;
 }
