@@ -1,4 +1,5 @@
-"""What this machine is, read once from /proc/cpuinfo: the CPU's name and its feature flags.
+"""What this machine is, read once from /proc/cpuinfo: the CPU's name and its feature flags; and
+how many CPUs this process may use.
 
 Cached tables and kernels are keyed by the machine they were measured or built on; every reader
 of /proc/cpuinfo goes through here.
@@ -6,6 +7,8 @@ of /proc/cpuinfo goes through here.
 
 from __future__ import annotations
 
+import math
+import os
 import platform
 from functools import lru_cache
 from pathlib import Path
@@ -34,3 +37,20 @@ def cpu_model() -> str:
 def cpu_flags() -> str:
     """The CPU's feature flags line (e.g. "... avx512f avx512_bf16 ..."), else the processor name."""
     return _cpuinfo().get("flags") or platform.processor()
+
+
+def available_cpus() -> int:
+    """The CPUs this process may compute on: $OMP_NUM_THREADS where set (the Kubernetes manifests
+    set it to the pod's CPU request), else those it may run on, capped by the container's CPU
+    quota (cgroup v2 ``cpu.max``) where there is one."""
+    env = os.environ.get("OMP_NUM_THREADS", "").strip()
+    if env.isdigit() and int(env) > 0:
+        return int(env)
+    cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    try:
+        quota, period = Path("/sys/fs/cgroup/cpu.max").read_text().split()[:2]
+        if quota != "max" and int(period) > 0:
+            cpus = min(cpus, max(1, math.ceil(int(quota) / int(period))))
+    except (OSError, ValueError):
+        pass
+    return cpus

@@ -19,6 +19,7 @@ from dspark_server.config import EngineConfig, SpeculativeConfig
 from dspark_server.engine.engine import LLMEngine
 from dspark_server.engine.process import EngineProcessBackend
 from dspark_server.engine.request import InvalidRequestError, RequestOutput, SamplingParams
+from dspark_server.machine import available_cpus
 from dspark_server.testing.tiny import build_tiny_drafter, write_flat_sps_profile
 
 PROMPTS = [[5, 9, 14, 3], [7, 7, 21, 30, 2, 11], [40, 1], [3, 3, 3, 3, 3, 3, 3, 3, 3]]
@@ -106,12 +107,21 @@ def test_closing_a_stream_aborts_the_request_and_frees_its_pages(backend: Engine
     assert backend.stats.finished_by_reason.get("abort", 0) >= 1
 
 
-def test_the_engine_leaves_a_core_to_the_http_process_unless_told(cfg: EngineConfig) -> None:
-    """With --threads unset the engine process computes on the CPUs this process may use, less
-    one (at least one); an explicit count is kept."""
-    cpus = len(os.sched_getaffinity(0))
+def test_the_engine_leaves_a_core_to_the_http_process_unless_told(
+    cfg: EngineConfig, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """With --threads unset the engine process computes on the server's CPUs less one (at least
+    one): $OMP_NUM_THREADS where set (the Kubernetes manifests set it to the CPU request), else
+    what this process may use; an explicit count is kept."""
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    cpus = available_cpus()
+    assert 1 <= cpus <= len(os.sched_getaffinity(0))
     unset = EngineProcessBackend(dataclasses.replace(cfg, num_threads=None))
     assert unset.cfg.num_threads == max(1, cpus - 1)
+    monkeypatch.setenv("OMP_NUM_THREADS", "4")
+    assert EngineProcessBackend(dataclasses.replace(cfg, num_threads=None)).cfg.num_threads == 3
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")
+    assert EngineProcessBackend(dataclasses.replace(cfg, num_threads=None)).cfg.num_threads == 1
     assert EngineProcessBackend(dataclasses.replace(cfg, num_threads=3)).cfg.num_threads == 3
 
 

@@ -43,6 +43,7 @@ from dspark_server.engine.backend import LoadSnapshot, SpecSnapshot, native_spec
 from dspark_server.engine.request import InvalidRequestError, RequestOutput, SamplingParams, SpecStats
 from dspark_server.engine.stats import EngineStats
 from dspark_server.engine.stream import TokenStream
+from dspark_server.machine import available_cpus
 from dspark_server.models.tokenizer import Tokenizer
 
 if TYPE_CHECKING:
@@ -203,13 +204,10 @@ class _Open:
 
 
 def engine_threads() -> int:
-    """The engine process's default compute threads: the CPUs this process may run on, less one
-    for the HTTP process (tokenizing, streaming, the clients' connections). On two cores, an
-    engine on both served 2-12% fewer tokens/s than one on one core (bench_serving, c = 1 and 16,
-    code and chat, plain and dspark): its threads spin between steps on the core the HTTP process
-    needs."""
-    cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
-    return max(1, cpus - 1)
+    """The engine process's default compute threads: ``machine.available_cpus()`` less one for the
+    HTTP process. On two cores an engine on both served 2-12% fewer tokens/s (bench_serving, c = 1
+    and 16, plain and dspark): its threads spin on the core the HTTP process needs."""
+    return max(1, available_cpus() - 1)
 
 
 class EngineProcessBackend:
