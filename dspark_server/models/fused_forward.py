@@ -62,8 +62,9 @@ class DecoderWeights:
 
 class FusedForward:
     """The addresses one fused forward needs, gathered once after the weights are in their serving
-    layout. The model keeps the tensors they point into alive (this object keeps the row-major copy
-    of a column-major embedding table)."""
+    layout. It holds every tensor they point into, so a weight the model replaces later (a
+    ``.to()``, a new ``.data``) cannot leave an address dangling; such a model must call
+    ``use_kernels`` again to serve its new weights."""
 
     def __init__(self, lib: ctypes.CDLL, sgemm: int, shape: DecoderShape, w: DecoderWeights) -> None:
         self.lib, self.sgemm = lib, sgemm
@@ -85,6 +86,7 @@ class FusedForward:
                 _transposed(lw.down).data_ptr(),
             ]
         self.weights = torch.tensor(ptrs, dtype=torch.int64)
+        self._held = (w, self.embed, self.final_norm, self.lm_wt, self.inv_freq)  # see the class doc
         self.num_layers = len(w.layers)
         self._caches: tuple[KVPool, torch.Tensor] | None = None
 
