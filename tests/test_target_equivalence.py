@@ -9,7 +9,7 @@ from typing import Any
 import pytest
 import torch
 
-from dspark_server.engine.batch import SeqChunk, pack
+from dspark_server.engine.batch import PackedBatch, SeqChunk, pack
 from dspark_server.engine.kv_cache import PageAllocator, PageTable
 from dspark_server.models import layer_ops
 from dspark_server.models.attention import KVPool
@@ -82,6 +82,15 @@ def _expect_path(calls: collections.Counter[str], layers: str, impl: str = "auto
     fused = layers == "fused" and impl == "auto"
     assert (calls["fused"] > 0) == fused
     assert (calls["layer"] > 0) == (layers == "kernels" or (layers == "fused" and not fused))
+
+
+def _prefill(ids: list[int]) -> tuple[PackedBatch, KVPool]:
+    """One sequence's prefill over a fresh pool sized for the 3-layer test models."""
+    alloc = PageAllocator(num_pages=8, page_size=4)
+    pool = KVPool(3, alloc.num_slots, 2, 16, torch.float32)
+    table = PageTable()
+    assert alloc.reserve(table, len(ids))
+    return pack([SeqChunk(table, 0, ids)], alloc), pool
 
 
 def _hf_logits(model: torch.nn.Module, ids: list[int]) -> torch.Tensor:
@@ -163,11 +172,7 @@ def test_hidden_capture_matches_transformers_hidden_states(
     ids = list(range(5, 18))
     with torch.no_grad():
         ref = hf(torch.tensor([ids]), output_hidden_states=True).hidden_states
-    alloc = PageAllocator(num_pages=8, page_size=4)
-    pool = KVPool(3, alloc.num_slots, 2, 16, torch.float32)
-    table = PageTable()
-    assert alloc.reserve(table, len(ids))
-    batch = pack([SeqChunk(table, 0, ids)], alloc)
+    batch, pool = _prefill(ids)
     with torch.no_grad():
         out = ours(
             batch.input_ids,
@@ -181,3 +186,20 @@ def test_hidden_capture_matches_transformers_hidden_states(
     torch.testing.assert_close(out.hidden[:, :64], ref[2][0], atol=1e-4, rtol=1e-4)
     torch.testing.assert_close(out.hidden[:, 64:], ref[1][0], atol=1e-4, rtol=1e-4)
     _expect_path(kernel_calls, layers)
+
+
+def test_a_model_with_attention_biases_keeps_the_layer_kernels(tmp_path: Path) -> None:
+    """The fused forward has no projection biases: a biased model is served layer by layer,
+    and still matches transformers."""
+    lib = load_library()
+    if lib is None:
+        pytest.skip("the C++ kernel library could not be built")
+    model_dir, hf = _save_hf(tmp_path, "llama", attention_bias=True)
+    ours = load_target(model_dir)
+    ours.use_kernels(lib, fused=True)
+    assert ours._fused is None
+    ids = list(range(3, 20))
+    batch, pool = _prefill(ids)
+    with torch.no_grad():
+        got = ours(batch.input_ids, batch.positions, batch.attention(pool)).logits
+    torch.testing.assert_close(got, _hf_logits(hf, ids), atol=1e-4, rtol=1e-4)

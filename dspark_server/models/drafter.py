@@ -32,7 +32,12 @@ from dspark_server.models.drafter_attention import gather_attends, paged_block_a
 from dspark_server.models.drafter_config import DraftConfig
 from dspark_server.models.drafter_heads import build_confidence_head, build_markov_head
 from dspark_server.models.drafter_layers import DraftLayer
-from dspark_server.models.fused_forward import DecoderShape, DecoderWeights, FusedForward, LayerWeights
+from dspark_server.models.fused_forward import (
+    DecoderShape,
+    DecoderWeights,
+    FusedForward,
+    serving_layer_weights,
+)
 from dspark_server.models.layers import RMSNorm, RotaryEmbedding, serving_layout_
 from dspark_server.models.paged_layout import PagedLayout
 from dspark_server.models.target import TargetModel
@@ -123,41 +128,19 @@ class DSparkDrafter(nn.Module):
         with the PyTorch ops (None). With ``fused``, a float32 block pass is one call into the
         library (the target's fused forward in block mode, models/fused_forward.py)."""
         self._kernels = lib
-        weights = self._decoder_weights() if fused and not self.config.attention_bias else None
-        self._fused = FusedForward.build(lib, self._shape(), weights) if weights is not None else None
-
-    def _shape(self) -> DecoderShape:
-        c = self.config
-        heads = (c.num_attention_heads, c.num_key_value_heads, c.head_dim)
-        return DecoderShape(
-            c.hidden_size, c.vocab_size, heads, c.intermediate_size, c.rms_norm_eps, c.rms_norm_eps
-        )
-
-    def _decoder_weights(self) -> DecoderWeights | None:
-        """The block pass's serving weights (None before ``fuse_projections``)."""
-        layers = []
-        for layer in cast("list[DraftLayer]", self.layers):
-            a, mlp = layer.self_attn, layer.mlp
-            if a._qkv is None or a._qkv[1] is not None or mlp._gate_up is None or mlp._gate_up[1] is not None:
-                return None
-            lw = LayerWeights(
-                layer.input_layernorm.weight.data,
-                a._qkv[0],
-                a._qk_weight,
-                a.o_proj.weight.data,
-                layer.post_attention_layernorm.weight.data,
-                mlp._gate_up[0],
-                mlp.down_proj.weight.data,
-            )
-            layers.append(lw)
+        layers = serving_layer_weights(cast("list[DraftLayer]", self.layers)) if fused else None
+        if layers is None:
+            self._fused = None
+            return
         shared = self.shared
-        return DecoderWeights(
+        weights = DecoderWeights(
             shared.embed_tokens.weight,
             layers,
             self.norm.weight.data,
             shared.lm_head.weight.data,
             self.rotary_emb.inv_freq,
         )
+        self._fused = FusedForward.build(lib, DecoderShape.of(self.config), weights)
 
     def _kernels_for(self, x: torch.Tensor, pool: KVPool) -> ctypes.CDLL | None:
         fused = cast("DraftLayer", self.layers[0]).self_attn._qkv is not None

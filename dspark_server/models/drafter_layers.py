@@ -42,13 +42,13 @@ class DraftAttention(nn.Module):
         self.q_norm = RMSNorm(d, cfg.rms_norm_eps)
         self.k_norm = RMSNorm(d, cfg.rms_norm_eps)
         self._qkv: tuple[torch.Tensor, torch.Tensor | None] | None = None  # fuse()
-        self._qk_weight: torch.Tensor | None = None
+        self._qk_norm_weight: torch.Tensor | None = None
 
     def fuse(self) -> None:
         """Serving: q, k, v as one GEMM (k, v as the tail of it for the context), and the q/k
         norm weights laid out for the fused q/k kernel."""
         self._qkv = fuse_linears(self.q_proj, self.k_proj, self.v_proj)
-        self._qk_weight = qk_norm_weight(self.q_norm, self.k_norm, self.num_heads, self.num_kv_heads)
+        self._qk_norm_weight = qk_norm_weight(self.q_norm, self.k_norm, self.num_heads, self.num_kv_heads)
 
     def _heads(self, q_heads: int) -> tuple[int, int, int]:
         return q_heads, self.num_kv_heads, self.head_dim
@@ -63,11 +63,11 @@ class DraftAttention(nn.Module):
         caches: tuple[torch.Tensor, torch.Tensor],
     ) -> None:
         """``kv`` with the kernels, written straight into caches [S, Hkv, D] at ``slots``."""
-        assert self._qkv is not None and self._qk_weight is not None, "call fuse() first"
+        assert self._qkv is not None and self._qk_norm_weight is not None, "call fuse() first"
         w, b = self._qkv
         start = self.num_heads * self.head_dim
         kv = F.linear(x, w[start:], b[start:] if b is not None else None)
-        k_weight = self._qk_weight[self.num_heads :]
+        k_weight = self._qk_norm_weight[self.num_heads :]
         heads, eps = self._heads(0), self.k_norm.eps
         layer_ops.qk_norm_rope_store(lib, kv, heads, positions, inv_freq, k_weight, eps, slots, *caches)
 
@@ -85,7 +85,7 @@ class DraftAttention(nn.Module):
         qkv = F.linear(x, *self._qkv)
         k, v = (torch.empty(t, self.num_kv_heads, self.head_dim, dtype=x.dtype) for _ in range(2))
         rows, heads, eps = torch.arange(t), self._heads(self.num_heads), self.q_norm.eps
-        qk_w = self._qk_weight
+        qk_w = self._qk_norm_weight
         q = layer_ops.qk_norm_rope_store(lib, qkv, heads, positions, inv_freq, qk_w, eps, rows, k, v)
         return self.o_proj(attend(q, k, v).reshape(t, self.num_heads * self.head_dim))
 

@@ -15,12 +15,16 @@ from __future__ import annotations
 
 import ctypes
 import weakref
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
+from typing import Protocol
 
 import torch
+from torch import nn
 
+from dspark_server.config import ModelConfig
 from dspark_server.models.attention import KVPool, PagedAttention, resolve_impl
+from dspark_server.models.drafter_config import DraftConfig
 from dspark_server.models.kernel_library import blas_sgemm
 from dspark_server.models.paged_layout import PagedLayout
 
@@ -41,14 +45,77 @@ class LayerWeights:
     down: torch.Tensor
 
 
+class _Attention(Protocol):
+    @property
+    def _qkv(self) -> tuple[torch.Tensor, torch.Tensor | None] | None: ...
+    @property
+    def _qk_norm_weight(self) -> torch.Tensor | None: ...
+    @property
+    def o_proj(self) -> nn.Linear: ...
+
+
+class _Mlp(Protocol):
+    @property
+    def _gate_up(self) -> tuple[torch.Tensor, torch.Tensor | None] | None: ...
+    @property
+    def down_proj(self) -> nn.Linear: ...
+
+
+class _Norm(Protocol):
+    @property
+    def weight(self) -> torch.Tensor: ...
+
+
+class ServingLayer(Protocol):
+    """A pre-norm decoder layer with Hugging Face's names, projections fused for serving (the
+    target's DecoderLayer and the drafter's DraftLayer)."""
+
+    @property
+    def input_layernorm(self) -> _Norm: ...
+    @property
+    def self_attn(self) -> _Attention: ...
+    @property
+    def post_attention_layernorm(self) -> _Norm: ...
+    @property
+    def mlp(self) -> _Mlp: ...
+
+
+def serving_layer_weights(layers: Iterable[ServingLayer]) -> list[LayerWeights] | None:
+    """Every layer's serving weights; None before the projections are fused or with attention
+    biases (the fused forward has none)."""
+    out: list[LayerWeights] = []
+    for layer in layers:
+        a, mlp = layer.self_attn, layer.mlp
+        if a._qkv is None or a._qkv[1] is not None or a.o_proj.bias is not None:
+            return None
+        if mlp._gate_up is None or mlp._gate_up[1] is not None:
+            return None
+        out.append(
+            LayerWeights(
+                layer.input_layernorm.weight.data,
+                a._qkv[0],
+                a._qk_norm_weight,
+                a.o_proj.weight.data,
+                layer.post_attention_layernorm.weight.data,
+                mlp._gate_up[0],
+                mlp.down_proj.weight.data,
+            )
+        )
+    return out
+
+
 @dataclass(frozen=True)
 class DecoderShape:
     hidden: int
     vocab: int
     heads: tuple[int, int, int]  # query heads, key/value heads, head size
     intermediate: int
-    eps: float  # the layers' RMSNorm epsilon
-    qk_eps: float  # the q/k norms' (unused without q/k norm weights)
+    eps: float  # the layers' RMSNorm epsilon (their q/k norms are built with the same one)
+
+    @classmethod
+    def of(cls, c: ModelConfig | DraftConfig) -> DecoderShape:
+        heads = (c.num_attention_heads, c.num_key_value_heads, c.head_dim)
+        return cls(c.hidden_size, c.vocab_size, heads, c.intermediate_size, c.rms_norm_eps)
 
 
 @dataclass(frozen=True)
@@ -69,7 +136,7 @@ class FusedForward:
     def __init__(self, lib: ctypes.CDLL, sgemm: int, shape: DecoderShape, w: DecoderWeights) -> None:
         self.lib, self.sgemm = lib, sgemm
         self.hidden, self.vocab, self.heads = shape.hidden, shape.vocab, shape.heads
-        self.inter, self.eps, self.qk_eps = shape.intermediate, shape.eps, shape.qk_eps
+        self.inter, self.eps = shape.intermediate, shape.eps
         self.inv_freq = w.inv_freq.float().contiguous()
         self.embed = row_major(w.embed)  # rows are gathered: a column-major table is copied, once
         self.final_norm = w.final_norm.detach()
@@ -186,7 +253,7 @@ class FusedForward:
             d,
             self.inter,
             self.eps,
-            self.qk_eps,
+            self.eps,  # the q/k norms' (unused without q/k norm weights)
             self.inv_freq.data_ptr(),
             self.weights.data_ptr(),
             caches.data_ptr(),

@@ -17,7 +17,12 @@ from torch import nn
 from dspark_server.config import ModelConfig
 from dspark_server.models import layer_ops
 from dspark_server.models.attention import AttentionBackend, PagedAttention
-from dspark_server.models.fused_forward import DecoderShape, DecoderWeights, FusedForward, LayerWeights
+from dspark_server.models.fused_forward import (
+    DecoderShape,
+    DecoderWeights,
+    FusedForward,
+    serving_layer_weights,
+)
 from dspark_server.models.layers import (
     RMSNorm,
     RotaryEmbedding,
@@ -226,41 +231,19 @@ class TargetModel(nn.Module):
         With ``fused`` (and projections fused), a float32 forward is one call into the library
         (models/fused_forward.py)."""
         self._kernels = lib
-        weights = self._decoder_weights() if fused and not self.config.attention_bias else None
-        self._fused = FusedForward.build(lib, self._shape(), weights) if weights is not None else None
-
-    def _shape(self) -> DecoderShape:
-        c = self.config
-        heads = (c.num_attention_heads, c.num_key_value_heads, c.head_dim)
-        return DecoderShape(
-            c.hidden_size, c.vocab_size, heads, c.intermediate_size, c.rms_norm_eps, c.rms_norm_eps
-        )
-
-    def _decoder_weights(self) -> DecoderWeights | None:
-        """The serving weights the fused forward reads (None before ``fuse_projections``)."""
-        layers = []
-        for layer in cast("list[DecoderLayer]", self.model.layers):
-            a, mlp = layer.self_attn, layer.mlp
-            if a._qkv is None or a._qkv[1] is not None or mlp._gate_up is None or mlp._gate_up[1] is not None:
-                return None
-            lw = LayerWeights(
-                layer.input_layernorm.weight.data,
-                a._qkv[0],
-                a._qk_norm_weight,
-                a.o_proj.weight.data,
-                layer.post_attention_layernorm.weight.data,
-                mlp._gate_up[0],
-                mlp.down_proj.weight.data,
-            )
-            layers.append(lw)
+        layers = serving_layer_weights(cast("list[DecoderLayer]", self.model.layers)) if fused else None
+        if layers is None:
+            self._fused = None
+            return
         stack = self.model
-        return DecoderWeights(
+        weights = DecoderWeights(
             stack.embed_tokens.weight,
             layers,
             stack.norm.weight.data,
             self.lm_head.weight.data,
             stack.rotary.inv_freq,
         )
+        self._fused = FusedForward.build(lib, DecoderShape.of(self.config), weights)
 
     def _kernels_apply(self, x: torch.Tensor, attn: AttentionBackend) -> bool:
         return (
