@@ -33,6 +33,7 @@ def test_gate_measures_both_then_follows_the_faster_and_explores() -> None:
         min_samples=1,
         prior_samples=0,
         request_smoothing=0.5,
+        explore_run=1,
     )
     _warm(gate, IDS8, (10, 1.0), 1.0)  # drafting: 80 tokens/s, plain: 8 tokens/s
     picks = [drafts_all(gate, IDS8) for _ in range(8)]
@@ -58,13 +59,16 @@ def test_one_hard_request_does_not_switch_drafting_off_for_the_next() -> None:
     # drafting steps, and the gate, averaging all requests of the load bucket, chose plain for
     # every later request too
     gate = DraftGate(
-        min_samples=2, request_smoothing=0.5, smoothing=0.05, max_explore_interval=64, prior_samples=0
+        min_samples=2,
+        request_smoothing=0.5,
+        smoothing=0.05,
+        max_explore_interval=64,
+        prior_samples=0,
+        explore_run=1,
     )
-    for _ in range(2):
-        drafts_all(gate, ["hard"])
-        gate.record(["hard"], True, [1], 0.100)
-        drafts_all(gate, ["hard"])
-        gate.record(["hard"], False, [1], 0.030)
+    for _ in range(4):  # warm-up: two drafting steps in a run, then two plain ones
+        drafted = drafts_all(gate, ["hard"])
+        gate.record(["hard"], drafted, [1], 0.100 if drafted else 0.030)
     # the hard one: 1 token per 100 ms drafting vs 1 per 30 ms plain -> plain
     assert drafts_all(gate, ["hard"]) is False
     # an easy request after it: the gate explores it within max_explore_interval steps, and one
@@ -84,7 +88,12 @@ def test_costly_exploration_is_rare_but_bounded() -> None:
     # (explore_fraction 1: no partial exploration, whole drafting steps only)
     ids = [f"r{i}" for i in range(64)]
     gate = DraftGate(
-        explore_every=4, max_explore_interval=256, min_samples=1, explore_fraction=1.0, prior_samples=0
+        explore_every=4,
+        max_explore_interval=256,
+        min_samples=1,
+        explore_fraction=1.0,
+        prior_samples=0,
+        explore_run=1,
     )
     drafts_all(gate, ids)
     gate.record(ids, True, [1] * 52 + [2] * 12, 0.060)  # 76 tokens, 1.1875 per request
@@ -111,6 +120,7 @@ def test_while_plain_is_faster_a_few_requests_explore_drafting_for_all() -> None
         partial_explore_overhead=0.01,
         prior_samples=0,
         request_smoothing=0.5,
+        explore_run=1,
     )
     assert gate.choose(ids) == list(range(64))  # warm-up: one of each
     gate.record(ids, True, [1] * 52 + [2] * 12, 0.060, regimes=[1.0] * 64)
@@ -166,7 +176,8 @@ def test_warm_up_measures_both_choices_before_one_slow_step_can_decide() -> None
         picks.append(drafted)
         tokens, seconds = next(draft_steps) if drafted else (1, 0.007)
         gate.record(["a"], drafted, [tokens], seconds)
-    assert picks == [True, False, True, False, True, False]  # alternating until 3 of each
+    # drafting steps first, in a run (only the first of them follows plain steps), then plain ones
+    assert picks == [True, True, True, False, False, False]
     draft_rate, plain_rate = gate.rates()[DraftGate.bucket_of(1)]
     # step times start from the median of their first samples: the cold 30 ms step is left out
     assert draft_rate == pytest.approx((11 / 3) / 0.015) and plain_rate == pytest.approx(1 / 0.007)
@@ -262,3 +273,51 @@ def test_a_stale_forecast_returns_to_its_regimes_prior() -> None:
     for _ in range(16):
         gate.choose(["hard"], [0.0])
     assert gate.forecast_tokens(["hard"], [0.0]) == pytest.approx(5.0 + (1.0 - 5.0) * 0.5**3)
+
+
+def test_a_drafting_step_after_plain_ones_prices_the_switch_not_drafting() -> None:
+    # served at one request, the first drafting step after plain ones took 6-8 ms (cold drafter
+    # weights and code) where drafting steps in a run took 4.2-4.5: priced as drafting, the cold
+    # step kept the gate on plain steps, so every drafting step was cold, for good
+    gate = DraftGate(
+        min_samples=1, smoothing=1.0, request_smoothing=1.0, max_explore_overhead=0.5, explore_run=3
+    )
+    assert drafts_all(gate, ["a"]) is True  # warm-up
+    gate.record(["a"], True, [3.0], 0.004)
+    assert drafts_all(gate, ["a"]) is False
+    gate.record(["a"], False, [1], 0.001)
+    # 3 tokens per 4 ms < 1 per 1 ms: plain, but for an exploration run of three drafting steps
+    picks = [False]
+    for _ in range(40):
+        picks.append(drafts_all(gate, ["a"]))
+        if not picks[-1]:
+            gate.record(["a"], False, [1], 0.001)
+        elif picks[-2]:  # drafting after drafting: a warm step
+            gate.record(["a"], True, [3.0], 0.004)
+        else:  # the switch: 3 ms slower than a warm step, and 2 ms of put-off writes
+            gate.record(["a"], True, [3.0], 0.007, switch_seconds=0.002)
+    first = picks.index(True)
+    assert picks[first : first + 4] == [True, True, True, False]
+    bucket = gate._bucket(1)
+    assert bucket.draft_seconds.value == pytest.approx(0.004)  # the cold steps left it alone
+    assert bucket.switch_seconds.value == pytest.approx(0.005)  # their excess and the catch-up
+
+
+def test_starting_to_draft_pays_the_switch_staying_does_not() -> None:
+    # 4.5 tokens per 4 ms drafting step beat 1 per 1 ms plain step in a run of drafting steps,
+    # but not from plain steps, whose switch into drafting costs 6 ms more (2 ms a step over
+    # the three-step run it starts)
+    gate = DraftGate(min_samples=1, smoothing=1.0, request_smoothing=1.0, explore_run=3)
+    bucket = gate._bucket(1)
+    bucket.draft_seconds.update(0.004, 1.0)
+    bucket.plain_seconds.update(0.001, 1.0)
+    bucket.switch_seconds.update(0.006, 1.0)
+    gate._forecast["b"] = 4.5
+    gate._last_drafted = False
+    assert drafts_all(gate, ["b"]) is False
+    gate._last_drafted = True
+    assert drafts_all(gate, ["b"]) is True
+    # with a cheaper switch (0.9 ms: 0.3 ms a step), starting pays too
+    bucket.switch_seconds.update(0.0009, 1.0)
+    gate._last_drafted = False
+    assert drafts_all(gate, ["b"]) is True

@@ -30,7 +30,9 @@ is budgeted by ``partial_explore_overhead``. A whole drafting step is explored o
 forecast comes within ``near_ratio`` of plain steps' rate (or every ``max_explore_interval``
 steps, to keep the cost of drafting measured).
 
-A request's own average moves by ``request_smoothing`` (0.2) of each drafting step's tokens:
+A request's own average starts from the prior weighed as one drafting step (its first steps
+outweigh it: 1/2, 1/3, 1/4 ...), then moves by ``request_smoothing`` (0.2) of each drafting
+step's tokens:
 one step's tokens range from 1 to γ + 1, and at 0.5 a single poor step put the forecast below
 break-even for about ten plain steps (one request at a time on HumanEval, in-process:
 1017 tok/s at 0.5, 1132 at 0.2, 1158 at 0.1; on MT-Bench, where plain steps win, 956 / 947 / 960).
@@ -41,7 +43,15 @@ explored, so forecasts left alone would be biased low.
 
 A drafting step's time leaves out its catch-up of the context writes earlier plain steps put
 off: that is the price of switching, and counting it as the price of drafting would keep the gate
-on plain steps, whose growing backlog would make the next catch-up dearer still.
+on plain steps, whose growing backlog would make the next catch-up dearer still. The first
+drafting step after plain ones is also slower than the next ones (the drafter's weights and code
+went cold: served at one request on the demo pair, 6.2-7.8 ms against 4.2-4.5 ms in a run of
+drafting steps). So ``draft_seconds`` learns from drafting steps that follow a drafting step
+only; a switching step's excess over it joins the catch-up in ``switch_seconds``. The gate
+compares steady states (drafting step after drafting step against plain after plain); starting
+to draft pays the switch once, priced as ``switch_seconds / explore_run`` on top of a drafting
+step's time (the run it is expected to last at least), and an exploration of whole drafting
+steps lasts ``explore_run`` steps, so that it measures a warm step and not only a cold one.
 
 The decision depends on past steps only, never on the tokens about to be drafted, so skipping a
 draft changes speed, not the output distribution.
@@ -126,6 +136,7 @@ class DraftGate:
         near_ratio: float = 0.9,
         prior_samples: int = 20,
         forecast_half_life: float = 16.0,
+        explore_run: int = 3,
     ) -> None:
         if explore_every < 2 or max_explore_interval < explore_every:
             raise ValueError("explore_every must be >= 2 and <= max_explore_interval")
@@ -135,6 +146,8 @@ class DraftGate:
             raise ValueError("max_explore_overhead and partial_explore_overhead must be in (0, 1)")
         if not (0.0 < explore_fraction <= 1.0 and 0.0 < near_ratio <= 1.0):
             raise ValueError("explore_fraction and near_ratio must be in (0, 1]")
+        if explore_run < 1:
+            raise ValueError("explore_run must be >= 1")
         self.explore_every = explore_every
         self.max_explore_interval = max_explore_interval
         self.smoothing = smoothing
@@ -146,10 +159,17 @@ class DraftGate:
         self.near_ratio = near_ratio
         self.prior_samples = prior_samples
         self.forecast_half_life = forecast_half_life
+        self.explore_run = explore_run
         self._steps = 0
+        # whether the last two choices drafted for every request (None: not asked): a drafting
+        # step is warm when the choice before it drafted too
+        self._last_drafted: bool | None = None
+        self._before_drafted: bool | None = None
+        self._run_left = 0  # drafting steps left in the current exploration run
         self._drafted_at: dict[str, int] = {}  # request id -> the last step it drafted in
         self._buckets: dict[int, _Bucket] = {}
         self._forecast: dict[str, float] = {}  # request id -> tokens per drafting step
+        self._drafts: dict[str, int] = {}  # request id -> its drafting steps so far
         self._prior = _Mean()  # all loads: for a bucket that has not drafted yet
         self._regimes: dict[tuple[int, float], _Mean] = {}  # (bucket or 0 = any, regime) -> prior
         # per (load bucket or 0 = any, regime): tokens drafting steps kept, beside ``_regimes``
@@ -260,39 +280,62 @@ class DraftGate:
         """Which of the step's decoding requests draft (indices into ``request_ids``): all of
         them, none (a plain step), or a few, exploring while plain steps are the faster choice.
         ``regimes``: their sampling temperatures."""
+        chosen = self._choose(request_ids, regimes)
+        self._before_drafted = self._last_drafted
+        self._last_drafted = bool(request_ids) and len(chosen) == len(request_ids)
+        if not self._last_drafted:
+            self._run_left = 0
+        return chosen
+
+    def _explore_drafting(self, everyone: list[int]) -> list[int]:
+        """Start an exploration run of whole drafting steps (``explore_run`` of them)."""
+        self._run_left = self.explore_run - 1
+        return everyone
+
+    def _choose(self, request_ids: Sequence[str], regimes: Sequence[float] | None) -> list[int]:
         n = len(request_ids)
         everyone, nobody = list(range(n)), list[int]()
         self._steps += 1
         if len(self._forecast) > n or len(self._drafted_at) > n or self._steps % 64 == 0:
             live = set(request_ids)  # requests that left take their forecasts along
             self._forecast = {rid: f for rid, f in self._forecast.items() if rid in live}
+            self._drafts = {rid: c for rid, c in self._drafts.items() if rid in live}
             self._drafted_at = {rid: t for rid, t in self._drafted_at.items() if rid in live}
         b = self._bucket(n)
-        if not b.measured(self.min_samples):  # warm-up: measure both alike
-            return everyone if b.draft_seconds.count <= b.plain_seconds.count else nobody
-        draft_rate = self.forecast_tokens(request_ids, regimes) / b.draft_seconds.value
-        plain_rate = n / b.plain_seconds.value
+        if not b.measured(self.min_samples):  # warm-up: drafting steps in a run (warm), then plain
+            return everyone if b.draft_seconds.count < self.min_samples else nobody
         b.since_explore += 1
-        if draft_rate >= plain_rate:
-            lost = b.plain_seconds.value * (1.0 - plain_rate / draft_rate)
+        if self._run_left > 0 and self._last_drafted:
+            self._run_left -= 1
+            return everyone
+        switch = b.switch_seconds.value if b.switch_seconds.count else 0.0
+        tokens = self.forecast_tokens(request_ids, regimes)
+        draft_rate = tokens / b.draft_seconds.value
+        plain_rate = n / b.plain_seconds.value
+        # from plain steps, drafting also pays the switch once, over the run it starts
+        entry_rate = (
+            draft_rate if self._last_drafted else tokens / (b.draft_seconds.value + switch / self.explore_run)
+        )
+        if entry_rate >= plain_rate:  # exploring a plain step also pays the switch back
+            lost = b.plain_seconds.value * (1.0 - plain_rate / draft_rate) + switch
             if b.since_explore >= self.explore_interval(lost, b.draft_seconds.value):
                 b.since_explore = 0
                 return nobody
             b.since_partial = 0  # every forecast is being refreshed
             return everyone
-        # plain is faster; exploring a drafting step also pays the catch-up of the steps before it
-        switch = b.switch_seconds.value if b.switch_seconds.count else 0.0
-        lost = b.draft_seconds.value * (1.0 - draft_rate / plain_rate) + switch
+        # plain is faster; exploring a run of drafting steps also pays the switch into it
+        loss_rate = max(0.0, 1.0 - draft_rate / plain_rate)
+        lost = self.explore_run * b.draft_seconds.value * loss_rate + switch
         few = self.explore_size(n)
         b.since_partial += 1
         if few == n and b.since_explore >= self.explore_every and self._unsure_newcomer(request_ids, regimes):
             b.since_explore = b.since_partial = 0  # a newcomer on a prior of few samples: learn it, once
-            return everyone
+            return self._explore_drafting(everyone)
         near = draft_rate >= self.near_ratio * plain_rate
         interval = self.explore_interval(lost, b.plain_seconds.value)
         if b.since_explore >= (interval if near or few == n else self.max_explore_interval):
             b.since_explore = b.since_partial = 0
-            return everyone
+            return self._explore_drafting(everyone)
         if few == n:
             return nobody
         partial = b.partial_lost.value if b.partial_lost.count else lost * few / n
@@ -354,6 +397,11 @@ class DraftGate:
             if b.plain_seconds.count:
                 same_tokens = b.plain_seconds.value * (sum(tokens) + load - len(request_ids)) / load
                 b.partial_lost.update(seconds + switch - same_tokens, self.smoothing)
+        elif self._before_drafted is False and b.draft_seconds.count >= self.min_samples:
+            # the first drafting step after plain ones: its excess over a warm one and the
+            # catch-up are the price of switching, not of drafting
+            excess = max(0.0, seconds - b.draft_seconds.value)
+            b.switch_seconds.update(switch + excess, self.smoothing)
         else:
             b.draft_seconds.update(seconds, self.smoothing)
             if switch > 0:
@@ -369,9 +417,11 @@ class DraftGate:
                 for where in ((key, regime), (0, regime)):  # 0: any load
                     self._regimes.setdefault(where, _Mean()).update(expected / rows, self.smoothing)
                     self._kept.setdefault(where, _Mean()).update(emitted / rows, self.smoothing)
-        w = self.request_smoothing
         for rid, n in zip(request_ids, tokens, strict=True):
             prior = self._forecast.get(rid, b.tokens_per_request.value)
+            # the prior weighs as one step: a request's own first steps outweigh it quickly
+            count = self._drafts[rid] = self._drafts.get(rid, 0) + 1
+            w = max(self.request_smoothing, 1.0 / (count + 1))
             self._forecast[rid] = (1 - w) * prior + w * n
             self._drafted_at[rid] = self._steps
 
