@@ -150,6 +150,10 @@ class EngineConfig:
     # The whole float32 target forward as one C++ call (models/fused_forward.py) where it applies;
     # False: the layer-by-layer path above. Needs layer_kernels.
     fused_forward: bool = True
+    # The fused forward's GEMM weights: "float32", or "bfloat16" (weight-only bf16 copies, half the
+    # bytes a forward reads, fp32 accumulation, on CPUs with AVX512-BF16; else float32 ones).
+    # Activations, the KV cache and sampling stay float32; the model's own weights are kept.
+    weight_dtype: str = "float32"
     spec: SpeculativeConfig = field(default_factory=SpeculativeConfig)
 
     def resolved_num_pages(self) -> int:

@@ -136,6 +136,14 @@ def add_engine_args(
         action="store_true",
         help="run the float32 target forward layer by layer from Python instead of as one C++ call",
     )
+    g.add_argument(
+        "--weight-dtype",
+        choices=("float32", "bfloat16"),
+        default=None,
+        help="the fused forward's GEMM weights: bfloat16 serves weight-only bf16 copies (half the "
+        "bytes read, fp32 accumulation; needs AVX512-BF16) "
+        f"(default: {field_default(EngineConfig, 'weight_dtype')})",
+    )
     if speculation != "none":
         s = parser.add_argument_group("speculation")
         if speculation == "all":
@@ -201,6 +209,7 @@ def engine_config_from_args(
         attention_impl=getattr(ns, "attention_impl", None),
         layer_kernels=not getattr(ns, "no_layer_kernels", False),
         fused_forward=not getattr(ns, "no_fused_forward", False),
+        weight_dtype=getattr(ns, "weight_dtype", None) or field_default(EngineConfig, "weight_dtype"),
         spec=spec,
         **capacity,
     )

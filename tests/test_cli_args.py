@@ -41,10 +41,12 @@ def test_flags_reach_the_config() -> None:
     add_engine_args(p)
     flags = "--model /m --draft /d --gamma 3 --threshold 0.3 --max-running 5 --page-size 32"
     more = "--no-draft-gate --sps-only-cost --profile p.json --greedy-calibration g.json --no-fused-forward"
+    more += " --weight-dtype bfloat16"
     ns = p.parse_args([*flags.split(), *more.split()])
     cfg = engine_config_from_args(ns)
     assert (cfg.draft_dir, cfg.max_running, cfg.page_size) == ("/d", 5, 32)
-    assert (cfg.fused_forward, cfg.layer_kernels) == (False, True)
+    assert (cfg.fused_forward, cfg.layer_kernels, cfg.weight_dtype) == (False, True, "bfloat16")
+    assert engine_config_from_args(p.parse_args(flags.split())).weight_dtype == "float32"
     assert cfg.spec == SpeculativeConfig(
         mode="dspark",
         gamma=3,

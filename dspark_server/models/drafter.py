@@ -123,7 +123,9 @@ class DSparkDrafter(nn.Module):
             serving_layout_(layer.self_attn.o_proj)
             serving_layout_(layer.mlp.down_proj)
 
-    def use_kernels(self, lib: ctypes.CDLL | None, fused: bool = True) -> None:
+    def use_kernels(
+        self, lib: ctypes.CDLL | None, fused: bool = True, weight_dtype: torch.dtype = torch.float32
+    ) -> None:
         """Serve with the fused element-wise kernels of ``lib`` (after ``fuse_projections``), or
         with the PyTorch ops (None). With ``fused``, a float32 block pass is one call into the
         library (the target's fused forward in block mode, models/fused_forward.py)."""
@@ -140,7 +142,7 @@ class DSparkDrafter(nn.Module):
             shared.lm_head.weight.data,
             self.rotary_emb.inv_freq,
         )
-        self._fused = FusedForward.build(lib, DecoderShape.of(self.config), weights)
+        self._fused = FusedForward.build(lib, DecoderShape.of(self.config), weights, weight_dtype)
 
     def _kernels_for(self, x: torch.Tensor, pool: KVPool) -> ctypes.CDLL | None:
         fused = cast("DraftLayer", self.layers[0]).self_attn._qkv is not None

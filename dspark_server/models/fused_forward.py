@@ -9,6 +9,10 @@ same steps — the same element-wise and attention kernels, the same BLAS sgemm 
 It applies to float32 models without projection biases whose attention runs the paged kernel;
 ``FusedForward.build`` returns None otherwise and the PyTorch path runs. The drafter's parallel
 block pass is the same forward in block mode (``FusedForward.block``).
+
+``weight_dtype=torch.bfloat16`` serves the GEMMs from weight-only bf16 copies (bf16_weights.py;
+half the bytes a forward reads, fp32 accumulation) on CPUs with AVX512-BF16; the model keeps
+its float32 weights, and activations, the KV cache and the logits stay float32.
 """
 
 from __future__ import annotations
@@ -23,9 +27,10 @@ import torch
 from torch import nn
 
 from dspark_server.config import ModelConfig
+from dspark_server.models import bf16_weights
 from dspark_server.models.attention import KVPool, PagedAttention, resolve_impl
 from dspark_server.models.drafter_config import DraftConfig
-from dspark_server.models.kernel_library import blas_sgemm
+from dspark_server.models.kernel_library import blas_bf16_gemm, blas_sgemm
 from dspark_server.models.paged_layout import PagedLayout
 
 SYMBOL = "dspark_decoder_forward_f32"
@@ -133,35 +138,54 @@ class FusedForward:
     ``.to()``, a new ``.data``) cannot leave an address dangling; such a model must call
     ``use_kernels`` again to serve its new weights."""
 
-    def __init__(self, lib: ctypes.CDLL, sgemm: int, shape: DecoderShape, w: DecoderWeights) -> None:
-        self.lib, self.sgemm = lib, sgemm
+    def __init__(
+        self, lib: ctypes.CDLL, sgemm: int, shape: DecoderShape, w: DecoderWeights, bgemm: int | None = None
+    ) -> None:
+        """``bgemm`` (MKL's bf16 GEMM): serve the GEMMs from weight-only bf16 copies."""
+        self.lib, self.sgemm, self.bgemm = lib, sgemm, bgemm
         self.hidden, self.vocab, self.heads = shape.hidden, shape.vocab, shape.heads
         self.inter, self.eps = shape.intermediate, shape.eps
+        self.weight_dtype = torch.bfloat16 if bgemm is not None else torch.float32
         self.inv_freq = w.inv_freq.float().contiguous()
         self.embed = row_major(w.embed)  # rows are gathered: a column-major table is copied, once
         self.final_norm = w.final_norm.detach()
-        self.lm_wt = _transposed(w.lm_head)
+        held: list[torch.Tensor] = []
+
+        def gemm_weight(m: torch.Tensor) -> tuple[int, int]:
+            """(the address the forward's GEMM reads, the plain bf16 copy's or 0)"""
+            wt = _transposed(m)
+            if bgemm is None:
+                return wt.data_ptr(), 0
+            held.extend((bf16_weights.packed(wt), bf16_weights.plain(wt)))
+            return held[-2].data_ptr(), held[-1].data_ptr()
+
+        self.lm_wt, self.lm_plain = gemm_weight(w.lm_head)
         ptrs: list[int] = []
+        plain: list[int] = []
         for lw in w.layers:
-            ptrs += [
-                lw.input_norm.data_ptr(),
-                _transposed(lw.qkv).data_ptr(),
-                lw.qk_norm.data_ptr() if lw.qk_norm is not None else 0,
-                _transposed(lw.o_proj).data_ptr(),
-                lw.post_norm.data_ptr(),
-                _transposed(lw.gate_up).data_ptr(),
-                _transposed(lw.down).data_ptr(),
-            ]
+            mats = [gemm_weight(m) for m in (lw.qkv, lw.o_proj, lw.gate_up, lw.down)]
+            qk = lw.qk_norm.data_ptr() if lw.qk_norm is not None else 0
+            ptrs += [lw.input_norm.data_ptr(), mats[0][0], qk, mats[1][0], lw.post_norm.data_ptr()]
+            ptrs += [mats[2][0], mats[3][0]]
+            plain += [0, mats[0][1], 0, mats[1][1], 0, mats[2][1], mats[3][1]]
         self.weights = torch.tensor(ptrs, dtype=torch.int64)
-        self._held = (w, self.embed, self.final_norm, self.lm_wt, self.inv_freq)  # see the class doc
+        self.weights_plain = torch.tensor(plain, dtype=torch.int64)
+        self._held = (w, self.embed, self.final_norm, self.inv_freq, held)  # see the class doc
         self.num_layers = len(w.layers)
         self._caches: tuple[KVPool, torch.Tensor] | None = None
 
     @classmethod
-    def build(cls, lib: ctypes.CDLL | None, shape: DecoderShape, w: DecoderWeights) -> FusedForward | None:
+    def build(
+        cls,
+        lib: ctypes.CDLL | None,
+        shape: DecoderShape,
+        w: DecoderWeights,
+        weight_dtype: torch.dtype = torch.float32,
+    ) -> FusedForward | None:
         """The fused forward for these weights (without projection biases: the caller checks),
         or None where it does not apply (no library, not float32, a weight not in the serving
-        layout, no BLAS found)."""
+        layout, no BLAS found). ``weight_dtype`` bfloat16: weight-only bf16 GEMMs where the CPU
+        and the shapes allow (``bf16_supported``), else float32 ones."""
         if lib is None or not hasattr(lib, SYMBOL):
             return None
         mats = [w.lm_head] + [m for lw in w.layers for m in (lw.qkv, lw.o_proj, lw.gate_up, lw.down)]
@@ -170,7 +194,11 @@ class FusedForward:
         ):
             return None
         sgemm = blas_sgemm()
-        return None if sgemm is None else cls(lib, sgemm, shape, w)
+        if sgemm is None:
+            return None
+        bf16 = weight_dtype == torch.bfloat16 and bf16_supported(lib)
+        bgemm = blas_bf16_gemm() if bf16 and all(bf16_weights.fits(m.t()) for m in mats) else None
+        return cls(lib, sgemm, shape, w, bgemm)
 
     def applies(self, attn: object) -> bool:
         """Whether this forward can run over ``attn`` (a float32 pool the paged kernel reads)."""
@@ -258,7 +286,7 @@ class FusedForward:
             self.weights.data_ptr(),
             caches.data_ptr(),
             self.final_norm.data_ptr(),
-            self.lm_wt.data_ptr(),
+            self.lm_wt,
             self.vocab,
             rows.data_ptr(),
             rows.shape[0],
@@ -269,6 +297,10 @@ class FusedForward:
             int(block),
             normed.data_ptr() if normed is not None else None,
             torch.get_num_threads(),
+            self.bgemm,
+            int(self.bgemm is not None),
+            self.weights_plain.data_ptr(),
+            self.lm_plain or None,
         )
         if rc != 0:
             raise RuntimeError(f"fused decoder forward failed with code {rc}")
@@ -279,6 +311,11 @@ class FusedForward:
             ptrs = [p for i in range(self.num_layers) for p in (pool.k[i].data_ptr(), pool.v[i].data_ptr())]
             self._caches = (pool, torch.tensor(ptrs, dtype=torch.int64))
         return self._caches[1]
+
+
+def bf16_supported(lib: ctypes.CDLL | None) -> bool:
+    """Whether weight-only bf16 GEMMs run here (the kernel library, AVX512-BF16, MKL's bf16 GEMM)."""
+    return lib is not None and bool(lib.dspark_has_bf16()) and blas_bf16_gemm() is not None
 
 
 _ROW_MAJOR: dict[int, tuple[weakref.ref[torch.Tensor], torch.Tensor]] = {}

@@ -105,12 +105,22 @@ def load_library() -> ctypes.CDLL | None:
 @functools.cache
 def blas_sgemm() -> int | None:
     """The address of the Fortran ``sgemm_`` PyTorch's float32 linear layers run (MKL on x86), or None."""
+    return _torch_blas_symbol("sgemm_")
+
+
+@functools.cache
+def blas_bf16_gemm() -> int | None:
+    """The address of MKL's Fortran ``gemm_bf16bf16f32_`` in PyTorch's own MKL, or None."""
+    return _torch_blas_symbol("gemm_bf16bf16f32_")
+
+
+def _torch_blas_symbol(name: str) -> int | None:
     lib_dir = Path(torch.__file__).parent / "lib"
-    for name in ("libtorch_cpu.so", "libtorch_cpu.dylib"):
-        path = lib_dir / name
+    for lib_name in ("libtorch_cpu.so", "libtorch_cpu.dylib"):
+        path = lib_dir / lib_name
         if path.is_file():
             try:
-                fn = ctypes.CDLL(str(path)).sgemm_
+                fn = getattr(ctypes.CDLL(str(path)), name)
             except (OSError, AttributeError):
                 return None
             return ctypes.cast(fn, ctypes.c_void_p).value
@@ -131,11 +141,15 @@ SIGNATURES = {  # every function returns an int status (0: done)
     "dspark_silu_mul": [_C, _P, _P, _I, _I, _C],
     # sgemm; tokens, ids, positions, slot_mapping, kv_slots; kmax, q_start, q_len, kv_limit; nseq;
     # embed; hidden, layers, hq, hkv, d, inter; eps, qk_eps; inv_freq, weights, caches, final_norm,
-    # lm_wt; vocab; rows; nrows; logits; capture; ncap; hidden_out; block_mode; normed_out; threads
+    # lm_wt; vocab; rows; nrows; logits; capture; ncap; hidden_out; block_mode; normed_out; threads;
+    # bgemm, weight_bf16, weights_plain, lm_plain
     "dspark_decoder_forward_f32": [_P, _I, *[_P] * 4, _I, *[_P] * 3, _I, _P, *[_I] * 6, _F, _F]
-    + [*[_P] * 5, _I, _P, _I, _P, _P, _I, _P, _C, _P, _C],
+    + [*[_P] * 5, _I, _P, _I, _P, _P, _I, _P, _C, _P, _C, _P, _C, _P, _P],
     # sgemm; rows, g, vocab, rank; base, anchors, w1, w2, tokens; threads
     "dspark_markov_greedy_f32": [_P, *[_I] * 4, *[_P] * 5, _C],
+    # x; m, k; packed bf16 weight; n; out; accumulate; threads
+    "dspark_linear_bf16": [_P, _I, _I, _P, _I, _P, _C, _C],
+    "dspark_has_bf16": [],
 }
 
 

@@ -225,7 +225,9 @@ class TargetModel(nn.Module):
         hidden = torch.cat(captured, dim=-1) if captured else None
         return TargetOutput(logits=self.lm_head(x), hidden=hidden)
 
-    def use_kernels(self, lib: ctypes.CDLL | None, fused: bool = True) -> None:
+    def use_kernels(
+        self, lib: ctypes.CDLL | None, fused: bool = True, weight_dtype: torch.dtype = torch.float32
+    ) -> None:
         """Serve with the fused element-wise kernels of ``lib`` (the kernel library), or with the
         PyTorch ops (None). Applies to inference forwards over a paged KV pool of the model's dtype.
         With ``fused`` (and projections fused), a float32 forward is one call into the library
@@ -243,7 +245,7 @@ class TargetModel(nn.Module):
             self.lm_head.weight.data,
             stack.rotary.inv_freq,
         )
-        self._fused = FusedForward.build(lib, DecoderShape.of(self.config), weights)
+        self._fused = FusedForward.build(lib, DecoderShape.of(self.config), weights, weight_dtype)
 
     def _kernels_apply(self, x: torch.Tensor, attn: AttentionBackend) -> bool:
         return (

@@ -42,7 +42,8 @@ def build_speculative(cfg: EngineConfig, runner: ModelRunner) -> SpeculativeDeco
     assert cfg.draft_dir is not None
     spec = cfg.spec
     drafter = load_drafter(cfg.draft_dir, runner.target, runner.dtype)
-    drafter.use_kernels(load_library() if cfg.layer_kernels else None)
+    lib = load_library() if cfg.layer_kernels else None
+    drafter.use_kernels(lib, fused=cfg.fused_forward, weight_dtype=runner.weight_dtype)
     gamma = spec.gamma or drafter.gamma
     pool = drafter.new_kv_pool(runner.allocator.num_slots, runner.dtype, impl=cfg.attention_impl)
     table = resolve_sps_table(cfg, runner) if spec.mode == "dspark" else None

@@ -10,6 +10,12 @@
 // BLAS sgemm PyTorch's linear layers call, whose address the caller passes (PyTorch's own MKL),
 // so no BLAS is linked here. Weights are in the serving layout (layers.py: a float32 [N, K]
 // weight stored column-major, i.e. its [K, N] transpose contiguous).
+//
+// Weight-only bf16 (weight_bf16 = 1): every GEMM weight is bfloat16, in two layouts: packed for
+// linear_bf16.cpp's small-M kernel (fewer than kSmallRows rows: decode and verification blocks),
+// and plain [K, N] for MKL's bf16 GEMM (whose address the caller passes too: prefill chunks and
+// large batches, where it is twice as fast as float32 sgemm). Activations, norms, the KV cache
+// and the logits stay float32; x is rounded to bf16 at each GEMM's input.
 #include <math.h>
 #include <stdint.h>
 #include <stdlib.h>
@@ -26,6 +32,8 @@ int dspark_paged_attention(int dtype, const void* q, const void* kc, const void*
                            int64_t kmax, const int64_t* q_start, const int64_t* q_len, const int64_t* kv_limit,
                            const void* kx, const void* vx, int64_t nseq, int64_t hq, int64_t hkv, int64_t d,
                            float scale, void* out, void* lse, int nthreads);
+int dspark_linear_bf16(const float* x, int64_t m, int64_t k, const uint16_t* wp, int64_t n, float* out,
+                       int accumulate, int nthreads);
 }
 
 namespace {
@@ -34,13 +42,42 @@ namespace {
 using Sgemm = void (*)(const char*, const char*, const int*, const int*, const int*, const float*, const float*,
                        const int*, const float*, const int*, const float*, float*, const int*);
 
+// Fortran MKL gemm_bf16bf16f32 (LP64): sgemm's arguments with bf16 A and B.
+using Bgemm = void (*)(const char*, const char*, const int*, const int*, const int*, const float*, const uint16_t*,
+                       const int*, const uint16_t*, const int*, const float*, float*, const int*);
+
+constexpr int64_t kSmallRows = 32;  // below: the packed small-M kernel; from here: MKL's bf16 GEMM
+
+struct Gemms {
+  Sgemm sgemm;
+  Bgemm bgemm;    // weight-only bf16 only
+  uint16_t* xb;   // weight-only bf16: scratch for x rounded to bf16 (tokens x the widest K)
+  int nthreads;
+};
+
+inline uint16_t to_bf16(float f) {
+  uint32_t u;
+  memcpy(&u, &f, sizeof(u));
+  u += 0x7FFFu + ((u >> 16) & 1u);  // round to nearest even, as linear_bf16.cpp
+  return static_cast<uint16_t>(u >> 16);
+}
+
 // out[M, N] = x[M, K] @ wt[K, N] (+ out when accumulate): row-major out is column-major out^T =
-// W (N x K, column-major: wt's rows) times x^T (K x M).
-void linear(Sgemm sgemm, const float* x, int64_t m, int64_t k, const float* wt, int64_t n, float* out,
-            bool accumulate) {
+// W (N x K, column-major: wt's rows) times x^T (K x M). Float32: w = wt. Weight-only bf16: w is
+// the packed layout, plain the [K, N] bf16 one.
+int linear(const Gemms& g, const float* x, int64_t m, int64_t k, const void* w, const void* plain, int64_t n,
+           float* out, bool accumulate) {
   const int mi = static_cast<int>(m), ki = static_cast<int>(k), ni = static_cast<int>(n);
   const float one = 1.f, beta = accumulate ? 1.f : 0.f;
-  sgemm("N", "N", &ni, &mi, &ki, &one, wt, &ni, x, &ki, &beta, out, &ni);
+  if (!plain) {
+    g.sgemm("N", "N", &ni, &mi, &ki, &one, static_cast<const float*>(w), &ni, x, &ki, &beta, out, &ni);
+    return 0;
+  }
+  if (m < kSmallRows)
+    return dspark_linear_bf16(x, m, k, static_cast<const uint16_t*>(w), n, out, accumulate ? 1 : 0, g.nthreads);
+  for (int64_t i = 0; i < m * k; ++i) g.xb[i] = to_bf16(x[i]);
+  g.bgemm("N", "N", &ni, &mi, &ki, &one, static_cast<const uint16_t*>(plain), &ni, g.xb, &ki, &beta, out, &ni);
+  return 0;
 }
 
 // Per layer, in this order: input norm, qkv weight (transposed), q/k norm weights [hq + hkv, d]
@@ -66,12 +103,22 @@ int dspark_decoder_forward_f32(
     // block mode (the drafter's block): new keys / values are not stored in the pool but attended
     // to, unmasked, by the queries of their own sequence (slot_mapping unused); normed_out: the
     // final norm's output of `rows` [nrows, hidden], or null
-    int block_mode, float* normed_out, int nthreads) {
+    int block_mode, float* normed_out, int nthreads,
+    // weight-only bf16: MKL's bf16 GEMM, and the plain-layout weight table (same order as
+    // `weights`) and LM head; `weights` and `lm_wt` then point to the packed layouts
+    void* bgemm_fn, int weight_bf16, const int64_t* weights_plain, const void* lm_plain) {
   Sgemm sgemm = reinterpret_cast<Sgemm>(sgemm_fn);
   if (!sgemm || tokens <= 0 || hidden <= 0 || layers <= 0) return 1;
+  if (weight_bf16 && (!bgemm_fn || !weights_plain || !lm_plain)) return 1;
   const int64_t qkv_w = (hq + 2 * hkv) * d, big = qkv_w > 2 * inter ? qkv_w : 2 * inter;
   float* buf = static_cast<float*>(malloc(sizeof(float) * tokens * (3 * hidden + 2 * hq * d + big + inter)));
   if (!buf) return 1;
+  const int64_t widest_k = inter > hq * d ? (inter > hidden ? inter : hidden) : (hq * d > hidden ? hq * d : hidden);
+  Gemms g{sgemm, reinterpret_cast<Bgemm>(bgemm_fn), nullptr, nthreads};
+  if (weight_bf16 && !(g.xb = static_cast<uint16_t*>(malloc(sizeof(uint16_t) * tokens * widest_k)))) {
+    free(buf);
+    return 1;
+  }
   float *x = buf, *h = x + tokens * hidden, *tmp = h + tokens * hidden, *q = tmp + tokens * hidden;
   float *att = q + tokens * hq * d, *wide = att + tokens * hq * d, *mid = wide + tokens * big;
   int rc = 0;
@@ -83,6 +130,7 @@ int dspark_decoder_forward_f32(
     if (!kx || !self_slots) {
       free(kx);
       free(self_slots);
+      free(g.xb);
       free(buf);
       return 1;
     }
@@ -93,11 +141,15 @@ int dspark_decoder_forward_f32(
   const float scale = 1.f / sqrtf(static_cast<float>(d));
   for (int64_t l = 0; l < layers && rc == 0; ++l) {
     const float* const* w = reinterpret_cast<const float* const*>(weights + l * kLayerWeights);
+    const void* const* wp =
+        weight_bf16 ? reinterpret_cast<const void* const*>(weights_plain + l * kLayerWeights) : nullptr;
+    const void* nil[kLayerWeights] = {};
+    if (!wp) wp = nil;
     void* kc = reinterpret_cast<void*>(caches[2 * l]);
     void* vc = reinterpret_cast<void*>(caches[2 * l + 1]);
     rc = dspark_rms_norm(0, x, nullptr, nullptr, w[0], h, tokens, hidden, eps, nthreads);
     if (rc) break;
-    linear(sgemm, h, tokens, hidden, w[1], qkv_w, wide, false);
+    if ((rc = linear(g, h, tokens, hidden, w[1], wp[1], qkv_w, wide, false))) break;
     rc = dspark_qk_norm_rope_store(0, wide, tokens, hq, hkv, d, positions, inv_freq, w[2], qk_eps,
                                    block_mode ? self_slots : slot_mapping, block_mode ? kx : kc,
                                    block_mode ? vx : vc, q, nthreads);
@@ -105,14 +157,14 @@ int dspark_decoder_forward_f32(
     rc = dspark_paged_attention(0, q, kc, vc, kv_slots, kmax, q_start, q_len, kv_limit, kx, vx, nseq, hq, hkv, d, scale,
                                 att, nullptr, nthreads);
     if (rc) break;
-    linear(sgemm, att, tokens, hq * d, w[3], hidden, tmp, false);
+    if ((rc = linear(g, att, tokens, hq * d, w[3], wp[3], hidden, tmp, false))) break;
     // x + attention, then its norm (the residual rounded before the norm, as the PyTorch path)
     rc = dspark_rms_norm(0, x, tmp, x, w[4], h, tokens, hidden, eps, nthreads);
     if (rc) break;
-    linear(sgemm, h, tokens, hidden, w[5], 2 * inter, wide, false);
+    if ((rc = linear(g, h, tokens, hidden, w[5], wp[5], 2 * inter, wide, false))) break;
     rc = dspark_silu_mul(0, wide, mid, tokens, inter, nthreads);
     if (rc) break;
-    linear(sgemm, mid, tokens, inter, w[6], hidden, tmp, false);
+    if ((rc = linear(g, mid, tokens, inter, w[6], wp[6], hidden, tmp, false))) break;
     for (int64_t i = 0; i < tokens * hidden; ++i) x[i] += tmp[i];
     if (capture && capture[l] >= 0 && capture[l] < ncap)
       for (int64_t t = 0; t < tokens; ++t)
@@ -122,8 +174,9 @@ int dspark_decoder_forward_f32(
     for (int64_t r = 0; r < nrows; ++r) memcpy(tmp + r * hidden, x + rows[r] * hidden, sizeof(float) * hidden);
     rc = dspark_rms_norm(0, tmp, nullptr, nullptr, final_norm, h, nrows, hidden, eps, nthreads);
     if (rc == 0 && normed_out) memcpy(normed_out, h, sizeof(float) * nrows * hidden);
-    if (rc == 0) linear(sgemm, h, nrows, hidden, lm_wt, vocab, logits, false);
+    if (rc == 0) rc = linear(g, h, nrows, hidden, lm_wt, weight_bf16 ? lm_plain : nullptr, vocab, logits, false);
   }
+  free(g.xb);
   free(kx);
   free(self_slots);
   free(buf);

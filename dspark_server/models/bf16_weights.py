@@ -1,0 +1,37 @@
+"""Weight-only bfloat16 copies of the fused forward's GEMM weights (kernels/linear_bf16.cpp).
+
+A weight ``wt`` [K, N] (the serving layout's contiguous transpose) is kept twice in bf16, which
+together take the bytes of its float32 copy:
+
+- packed for the small-M kernel: blocks of 32 columns, each block contiguous, in pairs along K
+  (``[N / 32, K / 2, 32, 2]``), the pairs AVX512-BF16's dot product multiplies;
+- plain ``[K, N]`` for MKL's bf16 GEMM, which serves the batches of 32 rows and more.
+
+Rounding is PyTorch's float32 -> bfloat16 conversion (round to nearest even), the same as the
+kernels apply to the activations.
+"""
+
+from __future__ import annotations
+
+import torch
+
+BLOCK = 32  # columns per packed block (two 16-lane vectors)
+
+
+def fits(wt: torch.Tensor) -> bool:
+    """Whether the kernels take this [K, N] weight: K even, N a multiple of ``BLOCK``."""
+    k, n = wt.shape
+    return k % 2 == 0 and n % BLOCK == 0
+
+
+def packed(wt: torch.Tensor) -> torch.Tensor:
+    """[K, N] float32 -> [N / 32, K / 2, 32, 2] bfloat16, contiguous."""
+    k, n = wt.shape
+    if not fits(wt):
+        raise ValueError(f"a packed bf16 weight needs K even and N a multiple of {BLOCK}, got {k} x {n}")
+    return wt.reshape(k // 2, 2, n // BLOCK, BLOCK).permute(2, 0, 3, 1).contiguous().to(torch.bfloat16)
+
+
+def plain(wt: torch.Tensor) -> torch.Tensor:
+    """[K, N] float32 -> [K, N] bfloat16, contiguous."""
+    return wt.contiguous().to(torch.bfloat16)

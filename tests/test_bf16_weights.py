@@ -1,0 +1,102 @@
+"""Weight-only bf16: the small-M kernel computes x @ W with x and W rounded to bf16 and fp32
+accumulation, and the fused forward served from bf16 weights matches the float32 model whose
+GEMM weights are those bf16 values (up to the activations' rounding at each GEMM's input)."""
+
+from __future__ import annotations
+
+import copy
+from pathlib import Path
+
+import pytest
+import torch
+
+from dspark_server.engine.batch import SeqChunk, pack
+from dspark_server.engine.kv_cache import PageAllocator, PageTable
+from dspark_server.models import bf16_weights
+from dspark_server.models.attention import KVPool
+from dspark_server.models.fused_forward import bf16_supported
+from dspark_server.models.kernel_library import load_library
+from dspark_server.models.loader import load_target
+
+transformers = pytest.importorskip("transformers")
+
+
+@pytest.fixture(scope="module")
+def lib() -> object:
+    lib = load_library()
+    if not bf16_supported(lib):
+        pytest.skip("no AVX512-BF16 (or no kernel library / MKL bf16 GEMM) here")
+    return lib
+
+
+@pytest.mark.parametrize("m", [1, 3, 8, 9, 20])
+@pytest.mark.parametrize("accumulate", [0, 1])
+def test_small_m_kernel_is_the_bf16_rounded_product(lib: object, m: int, accumulate: int) -> None:
+    g = torch.Generator().manual_seed(m)
+    k, n = 96, 160  # K even, N five blocks of 32; m covers one row, block tails and two blocks of 8
+    wt = torch.randn(k, n, generator=g)
+    x = torch.randn(m, k, generator=g)
+    out = torch.randn(m, n, generator=g)
+    ref = (out if accumulate else 0) + x.bfloat16().float() @ wt.bfloat16().float()
+    packed = bf16_weights.packed(wt)
+    rc = lib.dspark_linear_bf16(x.data_ptr(), m, k, packed.data_ptr(), n, out.data_ptr(), accumulate, 2)  # type: ignore[attr-defined]
+    assert rc == 0
+    torch.testing.assert_close(out, ref, atol=1e-4, rtol=1e-5)
+    # a shape the kernel does not take is refused, not computed wrong
+    assert lib.dspark_linear_bf16(x.data_ptr(), m, k, packed.data_ptr(), n - 16, out.data_ptr(), 0, 1) == 1  # type: ignore[attr-defined]
+
+
+def _model_dir(tmp_path: Path) -> Path:
+    torch.manual_seed(0)
+    cfg = transformers.Qwen3Config(
+        vocab_size=128,  # a multiple of 32, as every GEMM's N must be
+        hidden_size=64,
+        intermediate_size=96,
+        num_hidden_layers=3,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        max_position_embeddings=256,
+        tie_word_embeddings=False,
+    )
+    out = tmp_path / "qwen3"
+    transformers.Qwen3ForCausalLM(cfg).float().eval().save_pretrained(out, safe_serialization=True)
+    return out
+
+
+def test_fused_forward_from_bf16_weights_matches_the_bf16_rounded_model(lib: object, tmp_path: Path) -> None:
+    model_dir = _model_dir(tmp_path)
+    ours = load_target(model_dir)
+    ref = copy.deepcopy(ours)
+    with torch.no_grad():  # the reference: float32 PyTorch ops over the bf16-rounded GEMM weights
+        for name, p in ref.named_parameters():
+            if p.dim() == 2 and "embed" not in name:
+                p.copy_(p.bfloat16().float())
+    ref.use_kernels(None)
+    ours.use_kernels(lib, fused=True, weight_dtype=torch.bfloat16)  # type: ignore[arg-type]
+    assert ours._fused is not None and ours._fused.weight_dtype == torch.bfloat16
+    f32 = copy.deepcopy(load_target(model_dir))
+    f32.use_kernels(lib, fused=True)  # type: ignore[arg-type]
+    cfg = ours.config
+    g = torch.Generator().manual_seed(1)
+    ids = torch.randint(0, 128, (46,), generator=g).tolist()
+    results = []
+    for model in (ours, ref, f32):
+        alloc = PageAllocator(num_pages=16, page_size=4)
+        pool = KVPool(
+            cfg.num_hidden_layers, alloc.num_slots, cfg.num_key_value_heads, cfg.head_dim, torch.float32
+        )
+        table = PageTable()
+        logits = []
+        # a 40-token prefill (MKL's bf16 GEMM), then extends of 5 and 1 tokens (the small-M kernel)
+        for start, stop in ((0, 40), (40, 45), (45, 46)):
+            assert alloc.reserve(table, stop)
+            batch = pack([SeqChunk(table, start, ids[start:stop])], alloc)
+            with torch.no_grad():
+                logits.append(model(batch.input_ids, batch.positions, batch.attention(pool)).logits)
+            table.length = stop
+        results.append(torch.cat(logits))
+    got, want, full = results
+    torch.testing.assert_close(got, want, atol=2e-2, rtol=2e-2)
+    assert (got.argmax(-1) == want.argmax(-1)).float().mean() > 0.95
+    assert (got - full).abs().max() > 1e-4  # the bf16 weights were served, not the float32 ones
