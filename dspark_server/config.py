@@ -156,6 +156,11 @@ class EngineConfig:
     weight_dtype: str = "float32"
     spec: SpeculativeConfig = field(default_factory=SpeculativeConfig)
 
+    def serving_dtype(self) -> str:
+        """The dtype a profile of this engine's steps is measured in: ``dtype``, with the fused
+        forward's weight dtype where it differs (e.g. "float32+bfloat16-weights")."""
+        return self.dtype if self.weight_dtype == self.dtype else f"{self.dtype}+{self.weight_dtype}-weights"
+
     def resolved_num_pages(self) -> int:
         if self.num_pages is not None:
             return self.num_pages

@@ -321,3 +321,26 @@ def test_starting_to_draft_pays_the_switch_staying_does_not() -> None:
     bucket.switch_seconds.update(0.0009, 1.0)
     gate._last_drafted = False
     assert drafts_all(gate, ["b"]) is True
+
+
+def test_plain_steps_are_explored_only_when_the_plain_step_time_is_stale() -> None:
+    # a plain step emits one token whatever the request: exploring one refreshes the load's plain
+    # step time and nothing else, so while other plain steps measure it, a request that drafts
+    # well is not interrupted (each interruption also paid the switch back into drafting)
+    def run(fresh_plain: bool) -> int:
+        gate = DraftGate(min_samples=1, smoothing=1.0, request_smoothing=1.0, explore_every=4)
+        assert drafts_all(gate, ["e"]) is True
+        gate.record(["e"], True, [1.6], 0.004)
+        assert drafts_all(gate, ["e"]) is False
+        gate.record(["e"], False, [1], 0.0035)  # 1.6 tokens per 4 ms beat 1 per 3.5 ms
+        plain = 0
+        for step in range(60):
+            drafted = drafts_all(gate, ["e"])
+            plain += not drafted
+            gate.record(["e"], drafted, [1.6] if drafted else [1], 0.004 if drafted else 0.0035)
+            if fresh_plain and step % 3 == 0:
+                gate.record_plain(1, 0.0035)  # another request's plain step at this load
+        return plain
+
+    assert run(fresh_plain=False) >= 3  # stale: explored now and then
+    assert run(fresh_plain=True) == 0

@@ -408,6 +408,7 @@ def server_args_from_namespace(a: Any, max_concurrency: int) -> list[str]:
         ("--profile", "profile"),
         ("--calibration", "calibration"),
         ("--dtype", "dtype"),
+        ("--weight-dtype", "weight_dtype"),
         ("--max-model-len", "max_model_len"),
         ("--max-queued", "max_queued"),
         ("--max-batch-tokens", "max_batch_tokens"),

@@ -53,9 +53,9 @@ def run_profile(cfg: ProfileConfig) -> tuple[SpsCostTable, Path]:
         table,
         out,
         metadata={
-            "profile_key": profile_key(cfg.engine.model_dir, cfg.engine.dtype),
+            "profile_key": profile_key(cfg.engine.model_dir, cfg.engine.serving_dtype()),
             "model": Path(cfg.engine.model_dir).name,
-            "dtype": cfg.engine.dtype,
+            "dtype": cfg.engine.serving_dtype(),
             "machine": machine_description(),
             "block": cfg.block,
             "repeats": cfg.repeats,

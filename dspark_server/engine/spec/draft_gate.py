@@ -116,6 +116,7 @@ class _Bucket:
     partial_lost: _Mean = field(default_factory=_Mean)  # what drafting for a few costs, vs plain
     since_explore: int = 0
     since_partial: int = 0
+    since_plain: int = 0  # steps since a plain step's time was measured
 
     def measured(self, min_samples: int) -> bool:
         """Both step kinds measured ``min_samples`` times (or seeded as if they were)."""
@@ -305,6 +306,7 @@ class DraftGate:
         if not b.measured(self.min_samples):  # warm-up: drafting steps in a run (warm), then plain
             return everyone if b.draft_seconds.count < self.min_samples else nobody
         b.since_explore += 1
+        b.since_plain += 1
         if self._run_left > 0 and self._last_drafted:
             self._run_left -= 1
             return everyone
@@ -317,9 +319,11 @@ class DraftGate:
             draft_rate if self._last_drafted else tokens / (b.draft_seconds.value + switch / self.explore_run)
         )
         if entry_rate >= plain_rate:  # exploring a plain step also pays the switch back
+            # it only refreshes the load's plain step time (a plain step emits one token for
+            # any request): due when no plain step measured it for the interval
             lost = b.plain_seconds.value * (1.0 - plain_rate / draft_rate) + switch
-            if b.since_explore >= self.explore_interval(lost, b.draft_seconds.value):
-                b.since_explore = 0
+            if b.since_plain >= self.explore_interval(lost, b.draft_seconds.value):
+                b.since_explore = b.since_plain = 0
                 return nobody
             b.since_partial = 0  # every forecast is being refreshed
             return everyone
@@ -428,7 +432,9 @@ class DraftGate:
     def record_plain(self, num_requests: int, seconds: float) -> None:
         """A finished plain step of ``num_requests`` decoding requests (its decoding share of time)."""
         if seconds > 0 and math.isfinite(seconds) and num_requests > 0:
-            self._bucket(num_requests).plain_seconds.update(seconds, self.smoothing)
+            b = self._bucket(num_requests)
+            b.plain_seconds.update(seconds, self.smoothing)
+            b.since_plain = 0
 
     def rates(self) -> dict[int, tuple[float, float]]:
         """bucket -> (drafting tokens/s for a request at the prior, plain tokens/s per request),

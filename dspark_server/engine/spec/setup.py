@@ -102,7 +102,7 @@ def resolve_sps_table(cfg: EngineConfig, runner: ModelRunner) -> SpsCostTable:
     written to the cache directory, for inspection."""
     if cfg.spec.profile_path:
         return load_sps_table(cfg.spec.profile_path)
-    key = profile_key(cfg.model_dir, cfg.dtype)
+    key = profile_key(cfg.model_dir, cfg.serving_dtype())
     log.info("profiling verification steps for the SPS table (<= %.0f s)", STARTUP_PROFILE_BUDGET_S)
     table = profile_sps(
         runner,
