@@ -43,7 +43,7 @@ from dspark_server.engine.backend import LoadSnapshot, SpecSnapshot, native_spec
 from dspark_server.engine.request import InvalidRequestError, RequestOutput, SamplingParams, SpecStats
 from dspark_server.engine.stats import EngineStats
 from dspark_server.engine.stream import TokenStream
-from dspark_server.machine import available_cpus
+from dspark_server.machine import engine_threads
 from dspark_server.models.tokenizer import Tokenizer
 
 if TYPE_CHECKING:
@@ -203,19 +203,12 @@ class _Open:
     last_delivery: float | None = None
 
 
-def engine_threads() -> int:
-    """The engine process's default compute threads: ``machine.available_cpus()`` less one for the
-    HTTP process. On two cores an engine on both served 2-12% fewer tokens/s (bench_serving, c = 1
-    and 16, plain and dspark): its threads spin on the core the HTTP process needs."""
-    return max(1, available_cpus() - 1)
-
-
 class EngineProcessBackend:
     """The native engine behind the ``Backend`` interface, run in a child process."""
 
     def __init__(self, cfg: EngineConfig) -> None:
         if cfg.num_threads is None:  # the HTTP process needs a core of its own
-            cfg = dataclasses.replace(cfg, num_threads=engine_threads())
+            cfg = dataclasses.replace(cfg, num_threads=engine_threads(cfg.model_dir))
         self.cfg = cfg
         self.tokenizer = Tokenizer(cfg.model_dir)
         self.stats = EngineStats()
