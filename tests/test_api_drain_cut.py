@@ -16,17 +16,26 @@ from typing import Any
 import httpx
 from test_api_support import scrape, start, value, wait_for
 
+from dspark_server.testing.tiny import build_tiny_model
+
 DRAIN_TIMEOUT = 1.5
+LONG = 30_000  # tokens the running stream asks for: far more than the tiny model makes by the cut
 
 
-def test_sigterm_refuses_stalled_bodies_and_cuts_streams_with_a_final_event(tiny_model: Path) -> None:
+def test_sigterm_refuses_stalled_bodies_and_cuts_streams_with_a_final_event(tmp_path: Path) -> None:
+    # a tiny model with room for a generation that outlasts the drain (4,000 tokens once
+    # finished before the cut on a fast run, and the stream ended without its error event)
+    model = build_tiny_model(tmp_path / "model", with_eos=False)
+    config = json.loads((model / "config.json").read_text())
+    config["max_position_embeddings"] = LONG + 1024
+    (model / "config.json").write_text(json.dumps(config))
     server = start(
-        ["--model", str(tiny_model), "--max-model-len", "4096", "--drain-timeout", str(DRAIN_TIMEOUT)]
+        ["--model", str(model), "--max-model-len", str(LONG + 1024), "--drain-timeout", str(DRAIN_TIMEOUT)]
         + ["--body-timeout", "120", "--max-running", "1"]
     )
     try:
         base = server.base_url
-        long = {"prompt": "def add", "max_tokens": 4000, "ignore_eos": True}  # one runs, two wait
+        long = {"prompt": "def add", "max_tokens": LONG, "ignore_eos": True}  # one runs, two wait
         lines: list[str] = []
         plain: list[httpx.Response] = []
 
