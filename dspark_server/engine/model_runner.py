@@ -16,8 +16,6 @@ from dspark_server.models.kernel_library import load_library
 from dspark_server.models.loader import load_target, resolve_dtype
 from dspark_server.models.target import TargetModel, TargetOutput
 
-WEIGHT_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
-
 
 @dataclass(frozen=True)
 class ForwardResult:
@@ -41,9 +39,9 @@ class ModelRunner:
             self.dtype,
             impl=cfg.attention_impl,
         )
-        if cfg.weight_dtype not in WEIGHT_DTYPES:
-            raise ValueError(f"weight_dtype must be one of {sorted(WEIGHT_DTYPES)}, got {cfg.weight_dtype!r}")
-        self.weight_dtype = WEIGHT_DTYPES[cfg.weight_dtype]  # the fused forwards' GEMM weights
+        if cfg.weight_dtype not in ("float32", "bfloat16"):
+            raise ValueError(f"weight_dtype must be float32 or bfloat16, got {cfg.weight_dtype!r}")
+        self.weight_dtype = resolve_dtype(cfg.weight_dtype)  # the fused forwards' GEMM weights
         lib = load_library() if cfg.layer_kernels else None
         self.target.use_kernels(lib, fused=cfg.fused_forward, weight_dtype=self.weight_dtype)
 

@@ -34,6 +34,7 @@ int dspark_paged_attention(int dtype, const void* q, const void* kc, const void*
                            float scale, void* out, void* lse, int nthreads);
 int dspark_linear_bf16(const float* x, int64_t m, int64_t k, const uint16_t* wp, int64_t n, float* out,
                        int accumulate, int nthreads);
+void dspark_round_bf16(const float* x, int64_t count, uint16_t* out);
 }
 
 namespace {
@@ -55,13 +56,6 @@ struct Gemms {
   int nthreads;
 };
 
-inline uint16_t to_bf16(float f) {
-  uint32_t u;
-  memcpy(&u, &f, sizeof(u));
-  u += 0x7FFFu + ((u >> 16) & 1u);  // round to nearest even, as linear_bf16.cpp
-  return static_cast<uint16_t>(u >> 16);
-}
-
 // out[M, N] = x[M, K] @ wt[K, N] (+ out when accumulate): row-major out is column-major out^T =
 // W (N x K, column-major: wt's rows) times x^T (K x M). Float32: w = wt. Weight-only bf16: w is
 // the packed layout, plain the [K, N] bf16 one.
@@ -75,7 +69,7 @@ int linear(const Gemms& g, const float* x, int64_t m, int64_t k, const void* w, 
   }
   if (m < kSmallRows)
     return dspark_linear_bf16(x, m, k, static_cast<const uint16_t*>(w), n, out, accumulate ? 1 : 0, g.nthreads);
-  for (int64_t i = 0; i < m * k; ++i) g.xb[i] = to_bf16(x[i]);
+  dspark_round_bf16(x, m * k, g.xb);
   g.bgemm("N", "N", &ni, &mi, &ki, &one, static_cast<const uint16_t*>(plain), &ni, g.xb, &ki, &beta, out, &ni);
   return 0;
 }
@@ -113,7 +107,8 @@ int dspark_decoder_forward_f32(
   const int64_t qkv_w = (hq + 2 * hkv) * d, big = qkv_w > 2 * inter ? qkv_w : 2 * inter;
   float* buf = static_cast<float*>(malloc(sizeof(float) * tokens * (3 * hidden + 2 * hq * d + big + inter)));
   if (!buf) return 1;
-  const int64_t widest_k = inter > hq * d ? (inter > hidden ? inter : hidden) : (hq * d > hidden ? hq * d : hidden);
+  int64_t widest_k = hidden > inter ? hidden : inter;  // the GEMMs' K: hidden, hq * d, inter
+  if (hq * d > widest_k) widest_k = hq * d;
   Gemms g{sgemm, reinterpret_cast<Bgemm>(bgemm_fn), nullptr, nthreads};
   if (weight_bf16 && !(g.xb = static_cast<uint16_t*>(malloc(sizeof(uint16_t) * tokens * widest_k)))) {
     free(buf);

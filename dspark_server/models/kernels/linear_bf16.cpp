@@ -15,13 +15,6 @@
 
 namespace {
 
-inline uint16_t to_bf16(float f) {
-  uint32_t u;
-  memcpy(&u, &f, sizeof(u));
-  u += 0x7FFFu + ((u >> 16) & 1u);  // round to nearest even (finite inputs)
-  return static_cast<uint16_t>(u >> 16);
-}
-
 constexpr int64_t kPrefetch = 32;  // K pairs ahead (4 KB of the block's stream)
 
 // rows [mb, mb + MM) of x (as bf16 pairs, xp[r * K / 2 + kp]) times the 32 columns [n, n + 32)
@@ -67,6 +60,17 @@ extern "C" {
 // Whether this CPU runs the kernel (AVX512-BF16).
 int dspark_has_bf16() { return __builtin_cpu_supports("avx512bf16") ? 1 : 0; }
 
+// out[i] = x[i] rounded to bf16 (to nearest even; finite inputs): the GEMMs' input rounding, here
+// and in decoder_forward.cpp's MKL path.
+void dspark_round_bf16(const float* x, int64_t count, uint16_t* out) {
+  for (int64_t i = 0; i < count; ++i) {
+    uint32_t u;
+    memcpy(&u, x + i, sizeof(u));
+    u += 0x7FFFu + ((u >> 16) & 1u);
+    out[i] = static_cast<uint16_t>(u >> 16);
+  }
+}
+
 // Returns 0, or 1 for a bad argument (K odd, N not a multiple of 32, no AVX512-BF16).
 int dspark_linear_bf16(const float* x, int64_t m, int64_t k, const uint16_t* wp, int64_t n, float* out,
                        int accumulate, int nthreads) {
@@ -74,7 +78,7 @@ int dspark_linear_bf16(const float* x, int64_t m, int64_t k, const uint16_t* wp,
   const int64_t kp_count = k / 2;
   uint16_t* xb = static_cast<uint16_t*>(malloc(sizeof(uint16_t) * m * k));
   if (!xb) return 1;
-  for (int64_t i = 0; i < m * k; ++i) xb[i] = to_bf16(x[i]);
+  dspark_round_bf16(x, m * k, xb);
   const uint32_t* xp = reinterpret_cast<const uint32_t*>(xb);
   const int64_t nblocks = n / 32;
 #pragma omp parallel for num_threads(nthreads) schedule(static) if (nthreads > 1 && nblocks > 1)
