@@ -100,3 +100,42 @@ def test_fused_forward_from_bf16_weights_matches_the_bf16_rounded_model(lib: obj
     torch.testing.assert_close(got, want, atol=2e-2, rtol=2e-2)
     assert (got.argmax(-1) == want.argmax(-1)).float().mean() > 0.95
     assert (got - full).abs().max() > 1e-4  # the bf16 weights were served, not the float32 ones
+
+
+@pytest.mark.parametrize("tokens", [5, 40])  # the small-M kernel, MKL's bf16 GEMM
+def test_context_write_from_bf16_weights_matches_the_bf16_rounded_drafter(lib: object, tokens: int) -> None:
+    """The drafter's fused context write served from bf16 copies of fc and the k|v weights stores
+    the K/V the PyTorch path stores for the bf16-rounded drafter (up to the activations'
+    rounding at each GEMM's input), at the given slots and nowhere else."""
+    from test_drafter import make_drafter, make_target
+
+    target = make_target()
+    target.fuse_projections()
+    ours = make_drafter(target, "markov")
+    ref, f32 = copy.deepcopy(ours), copy.deepcopy(ours)
+    with torch.no_grad():
+        for name, p in ref.named_parameters():
+            if p.dim() == 2 and ("fc" in name or "k_proj" in name or "v_proj" in name):
+                p.copy_(p.bfloat16().float())
+    for model, dtype in ((ours, torch.bfloat16), (f32, torch.float32)):
+        model.fuse_projections()
+        model.use_kernels(lib, fused=True, weight_dtype=dtype)  # type: ignore[arg-type]
+    assert ours._fused_context is not None and ours._fused_context.bgemm is not None
+    assert f32._fused_context is not None and f32._fused_context.bgemm is None
+    g = torch.Generator().manual_seed(tokens)
+    feats = torch.randn(tokens, ours.config.context_dim, generator=g)
+    positions = torch.arange(tokens) + 3
+    slots = torch.randperm(64, generator=g)[:tokens] + 1
+    pools = []
+    for model in (ours, ref, f32):
+        pool = model.new_kv_pool(80)
+        model.write_context(feats, positions, slots, pool)
+        pools.append(pool)
+    got, want, full = pools
+    untouched = torch.ones(80, dtype=torch.bool)
+    untouched[slots] = False
+    for a in (got.k, got.v):
+        assert bool((a[:, untouched] == 0).all())
+    torch.testing.assert_close(got.k[:, slots], want.k[:, slots], atol=3e-2, rtol=3e-2)
+    torch.testing.assert_close(got.v[:, slots], want.v[:, slots], atol=3e-2, rtol=3e-2)
+    assert (got.k[:, slots] - full.k[:, slots]).abs().max() > 1e-4  # bf16 weights were served

@@ -54,6 +54,7 @@ def breakdown(
     gate: bool,
     temp: float,
     dtype: str = "float32",
+    weight_dtype: str = "float32",
 ) -> dict[str, Any]:
     spec = SpeculativeConfig(mode=mode, draft_gate=gate)  # type: ignore[arg-type]
     cfg = EngineConfig(
@@ -62,6 +63,7 @@ def breakdown(
         max_running=requests,
         spec=spec,
         dtype=dtype,
+        weight_dtype=weight_dtype,
     )
     eng = LLMEngine(cfg)
     totals: dict[str, float] = collections.defaultdict(float)
@@ -112,6 +114,7 @@ def breakdown(
         ),
         "threads": torch.get_num_threads(),
         "dtype": dtype,
+        "weight_dtype": weight_dtype,
     }
 
 
@@ -131,6 +134,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--gate", action="store_true", help="keep the draft gate on")
     p.add_argument("--threads", type=int, default=None)
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    p.add_argument("--weight-dtype", default="float32", choices=["float32", "bfloat16"])
     p.add_argument("--out", type=Path, default=None)
     a = p.parse_args(argv)
     if a.threads:
@@ -142,7 +146,9 @@ def main(argv: list[str] | None = None) -> int:
     rows = []
     for n in a.requests:
         for mode in a.modes:
-            row = breakdown(n, mode, prompts, a.model, a.draft, a.steps, a.gate, a.temperature, a.dtype)
+            row = breakdown(
+                n, mode, prompts, a.model, a.draft, a.steps, a.gate, a.temperature, a.dtype, a.weight_dtype
+            )
             print(json.dumps(row))
             rows.append(row)
     if a.out:

@@ -32,6 +32,7 @@ from dspark_server.models.drafter_attention import gather_attends, paged_block_a
 from dspark_server.models.drafter_config import DraftConfig
 from dspark_server.models.drafter_heads import build_confidence_head, build_markov_head
 from dspark_server.models.drafter_layers import DraftLayer
+from dspark_server.models.fused_context import ContextShape, FusedContextWrite
 from dspark_server.models.fused_forward import (
     DecoderShape,
     DecoderWeights,
@@ -115,6 +116,7 @@ class DSparkDrafter(nn.Module):
         self.rotary_emb = RotaryEmbedding(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling)
         self._kernels: ctypes.CDLL | None = None  # use_kernels
         self._fused: FusedForward | None = None
+        self._fused_context: FusedContextWrite | None = None
 
     def fuse_projections(self) -> None:
         """Serving: fused q/k/v and gate/up GEMMs in every layer (names and values unchanged)."""
@@ -132,7 +134,7 @@ class DSparkDrafter(nn.Module):
         self._kernels = lib
         layers = serving_layer_weights(cast("list[DraftLayer]", self.layers)) if fused else None
         if layers is None:
-            self._fused = None
+            self._fused = self._fused_context = None
             return
         shared = self.shared
         weights = DecoderWeights(
@@ -143,6 +145,19 @@ class DSparkDrafter(nn.Module):
             self.rotary_emb.inv_freq,
         )
         self._fused = FusedForward.build(lib, DecoderShape.of(self.config), weights, weight_dtype)
+        shape = ContextShape(
+            self.config.hidden_size, DecoderShape.of(self.config).heads, self.hidden_norm.eps
+        )
+        context = FusedContextWrite.build(
+            lib,
+            shape,
+            self.fc.weight.data,
+            self.hidden_norm.weight.data,
+            layers,
+            self.rotary_emb.inv_freq,
+            weight_dtype,
+        )
+        self._fused_context = context if self.fc.bias is None else None
 
     def _kernels_for(self, x: torch.Tensor, pool: KVPool) -> ctypes.CDLL | None:
         fused = cast("DraftLayer", self.layers[0]).self_attn._qkv is not None
@@ -189,6 +204,10 @@ class DSparkDrafter(nn.Module):
         features [T, n_layers * H] (``TargetOutput.hidden`` rows), positions [T], slots [T]: the
         slots of those positions in the shared page table.
         """
+        fused = self._fused_context
+        if fused is not None and not torch.is_grad_enabled() and fused.reads(pool):
+            fused(features, positions, slots, pool)
+            return
         layers = cast("list[DraftLayer]", self.layers)
         x = self.fc(features.to(self.fc.weight.dtype))
         lib = self._kernels_for(x, pool)

@@ -145,6 +145,9 @@ SIGNATURES = {  # every function returns an int status (0: done)
     # bgemm, weight_bf16, weights_plain, lm_plain
     "dspark_decoder_forward_f32": [_P, _I, *[_P] * 4, _I, *[_P] * 3, _I, _P, *[_I] * 6, _F, _F]
     + [*[_P] * 5, _I, _P, _I, _P, _P, _I, _P, _C, _P, _C, _P, _C, _P, _P],
+    # sgemm, bgemm; weight_bf16; tokens; features; cdim; fc, fc_plain, hidden_norm; hidden; eps;
+    # layers, hkv, d; k_eps; inv_freq, layer_table, positions, slots, caches; threads
+    "dspark_context_write_f32": [_P, _P, _C, _I, _P, _I, *[_P] * 3, _I, _F, *[_I] * 3, _F, *[_P] * 5, _C],
     # sgemm; rows, g, vocab, rank; base, anchors, w1, w2, tokens; threads
     "dspark_markov_greedy_f32": [_P, *[_I] * 4, *[_P] * 5, _C],
     # x; m, k; packed bf16 weight; n; out; accumulate; threads

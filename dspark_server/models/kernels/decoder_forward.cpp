@@ -21,6 +21,8 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "gemm.h"
+
 extern "C" {
 int dspark_rms_norm(int dtype, const void* x, const void* delta, void* sum_out, const void* w, void* out,
                     int64_t rows, int64_t dim, float eps, int nthreads);
@@ -32,47 +34,14 @@ int dspark_paged_attention(int dtype, const void* q, const void* kc, const void*
                            int64_t kmax, const int64_t* q_start, const int64_t* q_len, const int64_t* kv_limit,
                            const void* kx, const void* vx, int64_t nseq, int64_t hq, int64_t hkv, int64_t d,
                            float scale, void* out, void* lse, int nthreads);
-int dspark_linear_bf16(const float* x, int64_t m, int64_t k, const uint16_t* wp, int64_t n, float* out,
-                       int accumulate, int nthreads);
-void dspark_round_bf16(const float* x, int64_t count, uint16_t* out);
 }
 
 namespace {
 
-// Fortran BLAS sgemm (LP64), column-major.
-using Sgemm = void (*)(const char*, const char*, const int*, const int*, const int*, const float*, const float*,
-                       const int*, const float*, const int*, const float*, float*, const int*);
-
-// Fortran MKL gemm_bf16bf16f32 (LP64): sgemm's arguments with bf16 A and B.
-using Bgemm = void (*)(const char*, const char*, const int*, const int*, const int*, const float*, const uint16_t*,
-                       const int*, const uint16_t*, const int*, const float*, float*, const int*);
-
-constexpr int64_t kSmallRows = 32;  // below: the packed small-M kernel; from here: MKL's bf16 GEMM
-
-struct Gemms {
-  Sgemm sgemm;
-  Bgemm bgemm;    // weight-only bf16 only
-  uint16_t* xb;   // weight-only bf16: scratch for x rounded to bf16 (tokens x the widest K)
-  int nthreads;
-};
-
-// out[M, N] = x[M, K] @ wt[K, N] (+ out when accumulate): row-major out is column-major out^T =
-// W (N x K, column-major: wt's rows) times x^T (K x M). Float32: w = wt. Weight-only bf16: w is
-// the packed layout, plain the [K, N] bf16 one.
-int linear(const Gemms& g, const float* x, int64_t m, int64_t k, const void* w, const void* plain, int64_t n,
-           float* out, bool accumulate) {
-  const int mi = static_cast<int>(m), ki = static_cast<int>(k), ni = static_cast<int>(n);
-  const float one = 1.f, beta = accumulate ? 1.f : 0.f;
-  if (!plain) {
-    g.sgemm("N", "N", &ni, &mi, &ki, &one, static_cast<const float*>(w), &ni, x, &ki, &beta, out, &ni);
-    return 0;
-  }
-  if (m < kSmallRows)
-    return dspark_linear_bf16(x, m, k, static_cast<const uint16_t*>(w), n, out, accumulate ? 1 : 0, g.nthreads);
-  dspark_round_bf16(x, m * k, g.xb);
-  g.bgemm("N", "N", &ni, &mi, &ki, &one, static_cast<const uint16_t*>(plain), &ni, g.xb, &ki, &beta, out, &ni);
-  return 0;
-}
+using dspark::Gemms;
+using dspark::linear;
+using dspark::Sgemm;
+using dspark::Bgemm;
 
 // Per layer, in this order: input norm, qkv weight (transposed), q/k norm weights [hq + hkv, d]
 // (or 0: no q/k norm), output weight, post-attention norm, gate|up weight, down weight.
