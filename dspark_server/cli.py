@@ -70,6 +70,7 @@ def _sglang_config(a: argparse.Namespace, spec_mode: str | None = None) -> SGLan
     flags = (
         ("--no-draft-gate", getattr(a, "no_draft_gate", False)),
         ("--sps-only-cost", getattr(a, "sps_only_cost", False)),
+        ("--no-prompt-lookup", getattr(a, "no_prompt_lookup", False)),
         ("--greedy-calibration", getattr(a, "greedy_calibration", None)),
     )
     native_only = [flag for flag, on in flags if on]

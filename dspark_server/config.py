@@ -118,6 +118,9 @@ class SpeculativeConfig:
     draft_gate: bool = True  # dspark mode: skip drafting at loads where plain steps are faster
     # dspark mode: price a step as (draft + bookkeeping time) + 1/SPS(B), not 1/SPS(B) alone
     price_step_overhead: bool = True
+    # every speculative mode: where a request repeats itself, draft the continuation of the
+    # repeated text (prompt lookup) instead of the drafter's block (engine/spec/lookup.py)
+    prompt_lookup: bool = True
 
     def __post_init__(self) -> None:
         if self.mode not in SPEC_MODES:

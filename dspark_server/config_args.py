@@ -163,6 +163,12 @@ def add_engine_args(
                 help="dspark mode: always draft, even at loads where plain steps measure faster",
             )
             s.add_argument(
+                "--no-prompt-lookup",
+                action="store_true",
+                help="draft with the drafter only, also where a request repeats itself (by default "
+                "the continuation of the repeated text is drafted there: prompt lookup)",
+            )
+            s.add_argument(
                 "--sps-only-cost",
                 action="store_true",
                 help="dspark mode: price a step by SPS(B) alone (the paper's cost model), leaving "
@@ -198,6 +204,7 @@ def engine_config_from_args(
         SpeculativeConfig(mode=cast(SpecMode, mode), gamma=getattr(ns, "gamma", None)),
         draft_gate=not getattr(ns, "no_draft_gate", False),
         price_step_overhead=not getattr(ns, "sps_only_cost", False),
+        prompt_lookup=not getattr(ns, "no_prompt_lookup", False),
         **{f.field: v for f in _SPEC if (v := _arg(ns, f)) is not None},
     )
     capacity = {f.field: v for f in _CAPACITY if (v := _arg(ns, f)) is not None}

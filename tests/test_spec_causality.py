@@ -92,7 +92,7 @@ def make_engine(target: Path, draft: Path, mode: str, max_running: int = 64, **s
         draft_gate=False,
         price_step_overhead=False,
         live_sps_refresh=False,
-        **spec,  # type: ignore[arg-type]
+        **{"prompt_lookup": False, **spec},  # type: ignore[arg-type]
     )
     return LLMEngine(
         EngineConfig(

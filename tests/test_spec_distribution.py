@@ -117,11 +117,14 @@ def sample_outputs(
 
 
 def check_against_exact(
-    outputs: dict[str, list[Outcome]], exact: dict[str, dict[Outcome, float]], label: str
+    outputs: dict[str, list[Outcome]],
+    exact: dict[str, dict[Outcome, float]],
+    label: str,
+    kinds: tuple[Kind, ...] = KINDS,
 ) -> dict[str, ChiSquareResult]:
     results: dict[str, ChiSquareResult] = {}
     greedy_errors = []
-    for kind in KINDS:
+    for kind in kinds:
         if kind.params.greedy:
             (greedy,) = [o for o, p in exact[kind.name].items() if p > 0]
             wrong = [o for o in outputs[kind.name] if o != greedy]

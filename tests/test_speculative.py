@@ -45,12 +45,14 @@ def small_vocab_pair(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Pa
 
 def make_engine(target: Path, draft: Path | None, mode: str = "off", **kw: object) -> LLMEngine:
     # The measured-time parts of dspark mode (draft gate, step-overhead pricing) are off unless a
-    # test asks: random tiny drafters rarely pay off, and these tests need rounds to happen.
+    # test asks: random tiny drafters rarely pay off, and these tests need rounds to happen. So is
+    # the prompt lookup: these tests count the drafter's rounds (tests/test_prompt_lookup.py).
     spec = SpeculativeConfig(
         mode=mode if draft else "off",
         threshold=0.3,  # type: ignore[arg-type]
         draft_gate=bool(kw.pop("draft_gate", False)),
         price_step_overhead=bool(kw.pop("price_step_overhead", False)),
+        prompt_lookup=bool(kw.pop("prompt_lookup", False)),
     )
     cfg = EngineConfig(
         model_dir=str(target),

@@ -30,7 +30,8 @@ from dspark_server.engine.sampling import SamplingTensors
 from dspark_server.engine.scheduler import ScheduledChunk
 from dspark_server.engine.spec.deferred_context import DeferredContext, Run
 from dspark_server.engine.spec.draft_gate import DraftGate
-from dspark_server.engine.spec.drafting import Drafts, sample_drafts
+from dspark_server.engine.spec.drafting import Drafts, merge_drafts, sample_drafts
+from dspark_server.engine.spec.lookup import PromptLookup
 from dspark_server.engine.spec.rounds import RoundRecord
 from dspark_server.engine.spec.step_overhead import StepOverhead
 from dspark_server.engine.spec.verify import VerifyOutcome
@@ -95,6 +96,7 @@ class _Plan:
     confidences: torch.Tensor | None  # [R, γ] calibrated, as the planner saw them
     survival: torch.Tensor | None
     predicted_seconds: float | None = None  # τ / Θ of the chosen plan, when priced by a table
+    drafter_rows: list[int] | None = None  # the rows the drafter's confidences priced (None: all)
 
 
 class SpeculativeDecoder:
@@ -110,6 +112,7 @@ class SpeculativeDecoder:
         gate: DraftGate | None = None,
         overhead: StepOverhead | None = None,
         greedy_calibration: StsCalibration | CalibrationSet | None = None,
+        lookup: PromptLookup | None = None,
     ) -> None:
         if not 1 <= gamma <= drafter.gamma:
             raise ValueError(f"gamma must be in 1..{drafter.gamma} (the drafter's block size), got {gamma}")
@@ -129,6 +132,7 @@ class SpeculativeDecoder:
         self.gate = gate  # None: always draft (the fixed / threshold baselines)
         self.deferred = DeferredContext()  # drafter-context writes put off by plain steps
         self.overhead = overhead  # None: price steps by SPS(B) alone, as the method doc does
+        self.lookup = lookup  # None: the drafter drafts for every request
         self._steps_since_refresh = 0
         self._planned_from = planner.sps_table  # the table the planner's current one was made from
         if planner.sps_table is not None:
@@ -191,9 +195,14 @@ class SpeculativeDecoder:
         plain_runs = [Run(r, r.num_computed) for r in plain]
         self._catch_up(runner.allocator, only=decodes if plain else None)
         catch_up_s = time.perf_counter() - t_start
-        drafts = self._draft(runner.allocator, decodes, anchor_pos, sampling)
+        proposals = [self.lookup.propose(r) if self.lookup is not None else [] for r in decodes]
+        assert self.lookup is not None or not any(proposals)
+        lookup_rows = [i for i, r in enumerate(decodes) if proposals[i] and self.lookup.prefers(r)]  # type: ignore[union-attr]
+        drafts = self._draft(runner.allocator, decodes, anchor_pos, sampling, lookup_rows, proposals)
         draft_s = time.perf_counter() - t_start
-        plan = self._plan(decodes, drafts, sampling, draft_s, max_draft_tokens, prefill_tokens + len(plain))
+        plan = self._plan(
+            decodes, drafts, sampling, draft_s, max_draft_tokens, prefill_tokens + len(plain), lookup_rows
+        )
         self.last_verify_lens = plan.lens + [0] * len(plain)
 
         capture = self.drafter.capture_layers
@@ -202,6 +211,11 @@ class SpeculativeDecoder:
         if self.live_sps is not None and not prefills and not plain:  # they would skew the curve
             self.live_sps.record(forward.batch.num_tokens, forward.seconds)
         self._observe(decodes, drafts, plan, outcome)
+        if self.lookup is not None:
+            chosen = set(lookup_rows)
+            for i, req in enumerate(decodes):
+                emitted = drafts.tokens[i, : outcome.accepted[i]].tolist() + [outcome.next_tokens[i]]
+                self.lookup.record(req, i in chosen, proposals[i], emitted, plan.lens[i])
         self._keep_accepted(runner.allocator, decodes, anchor_pos, prefills, forward, outcome, plain_runs)
         emitted = [
             RequestTokens(
@@ -287,9 +301,40 @@ class SpeculativeDecoder:
     # ---- phases ----------------------------------------------------------------------------
 
     def _draft(
+        self,
+        alloc: PageAllocator,
+        decodes: list[Request],
+        anchor_pos: list[int],
+        sampling: SamplingTensors,
+        lookup_rows: Sequence[int] = (),
+        proposals: Sequence[Sequence[int]] = (),
+    ) -> Drafts:
+        """The drafter's block for the requests the prompt lookup does not draft for
+        (``lookup_rows``: those it does, ``proposals``: every request's proposal), merged."""
+        if not lookup_rows:
+            return self._draft_block(alloc, decodes, anchor_pos, sampling)
+        skip = set(lookup_rows)
+        rows = [i for i in range(len(decodes)) if i not in skip]
+        drafted = None
+        if rows:
+            sub = SamplingTensors.from_params([decodes[i].params for i in rows])
+            drafted = self._draft_block(alloc, [decodes[i] for i in rows], [anchor_pos[i] for i in rows], sub)
+        return merge_drafts(
+            len(decodes),
+            rows,
+            drafted,
+            lookup_rows,
+            [proposals[i] for i in lookup_rows],
+            self.gamma,
+            self.drafter.config.vocab_size,
+            not sampling.all_greedy,
+            self.drafter.confidence_head is not None,
+        )
+
+    def _draft_block(
         self, alloc: PageAllocator, decodes: list[Request], anchor_pos: list[int], sampling: SamplingTensors
     ) -> Drafts:
-        """One backbone pass for all decoding requests, then the sequential head."""
+        """One backbone pass for these decoding requests, then the sequential head."""
         anchors = torch.tensor([r.last_token_id for r in decodes])
         ctx = DraftContext.from_slot_lists(
             [alloc.slots(r.table, 0, p) for r, p in zip(decodes, anchor_pos, strict=True)]
@@ -316,6 +361,7 @@ class SpeculativeDecoder:
         draft_s: float,
         max_draft_tokens: int | None,
         prefill_tokens: int,
+        lookup_rows: Sequence[int] = (),
     ) -> _Plan:
         """ℓ_r from calibrated confidences (never from the drafted tokens' values), capped by
         the tokens a request may still emit and the step's budget (lengths only)."""
@@ -323,6 +369,10 @@ class SpeculativeDecoder:
         predicted: float | None = None
         if drafts.confidence_logits is not None:
             confidences = self.calibrate(drafts.confidence_logits, sampling.temperature)
+            if lookup_rows:  # priced by the lookup's own acceptance, not the drafter's head
+                assert self.lookup is not None
+                at = torch.tensor(list(lookup_rows), dtype=torch.long)
+                confidences[at] = self.lookup.confidences([self.gamma] * len(lookup_rows))
             survival = torch.cumprod(confidences, dim=1)
             self._refresh_sps_table()
             if self.overhead is not None:
@@ -342,7 +392,11 @@ class SpeculativeDecoder:
         ]
         if confidences is None and max_draft_tokens is not None:
             lens = cap_lengths(np.asarray(lens), max_draft_tokens).tolist()
-        return _Plan(lens, confidences, survival, predicted)
+        drafter_rows = None
+        if lookup_rows:
+            skip = set(lookup_rows)
+            drafter_rows = [i for i in range(len(decodes)) if i not in skip]
+        return _Plan(lens, confidences, survival, predicted, drafter_rows)
 
     def _keep_accepted(
         self,
@@ -400,12 +454,19 @@ class SpeculativeDecoder:
             self.drafter.write_context(writes.features, writes.positions, writes.slots, self.pool)
 
     def _observe(self, decodes: list[Request], drafts: Drafts, plan: _Plan, outcome: VerifyOutcome) -> None:
+        """The drafter's rounds (not the prompt lookup's) to the calibration drift tracker and
+        the round observers."""
+        rows = plan.drafter_rows if plan.drafter_rows is not None else list(range(len(decodes)))
+        if not rows:
+            return
+        at = torch.tensor(rows, dtype=torch.long)
+        accepted, lens = [outcome.accepted[i] for i in rows], [plan.lens[i] for i in rows]
         if plan.survival is not None:
-            self.drift.record(plan.survival, torch.tensor(outcome.accepted), torch.tensor(plan.lens))
-        if self.round_observers and decodes:
-            record = RoundRecord(
-                list(decodes), drafts.confidence_logits, plan.confidences, plan.lens, outcome.accepted
-            )
+            self.drift.record(plan.survival[at], torch.tensor(accepted), torch.tensor(lens))
+        if self.round_observers:
+            logits = drafts.confidence_logits[at] if drafts.confidence_logits is not None else None
+            confidences = plan.confidences[at] if plan.confidences is not None else None
+            record = RoundRecord([decodes[i] for i in rows], logits, confidences, lens, accepted)
             for observe in self.round_observers:
                 observe(record)
 

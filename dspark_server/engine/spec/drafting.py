@@ -61,3 +61,43 @@ def sample_drafts(
         tokens.append(prev)
     conf = drafter.confidence_logits(block.hidden[:, :gamma], torch.stack(prevs, dim=1))
     return Drafts(torch.stack(tokens, dim=1), torch.stack(probs, dim=1) if probs else None, conf)
+
+
+def merge_drafts(
+    num_rows: int,
+    drafter_rows: Sequence[int],
+    drafted: Drafts | None,
+    lookup_rows: Sequence[int],
+    proposals: Sequence[Sequence[int]],
+    gamma: int,
+    vocab: int,
+    need_probs: bool,
+    confidence: bool,
+) -> Drafts:
+    """One step's drafts, rows in request order: the drafter's block for ``drafter_rows``
+    (``drafted``), the prompt-lookup proposals (γ tokens each) for ``lookup_rows``, whose q is
+    one-hot at the proposed token (``need_probs``: some row samples, so verification needs every
+    row's q; ``confidence``: the drafter has a confidence head). The lookup rows' confidence
+    logits are 0: the planner prices them by the lookup's
+    own acceptance (lookup.py)."""
+    tokens = torch.zeros(num_rows, gamma, dtype=torch.long)
+    probs = torch.zeros(num_rows, gamma, vocab) if need_probs else None
+    conf = torch.zeros(num_rows, gamma) if confidence else None
+    ds = torch.tensor(list(drafter_rows), dtype=torch.long)
+    if drafted is not None and len(drafter_rows):
+        tokens[ds] = drafted.tokens[:, :gamma].long()
+        if probs is not None:
+            if drafted.probs is not None:
+                probs[ds] = drafted.probs[:, :gamma].float()
+            else:  # every drafter row was greedy: its q is one-hot at its draft
+                probs[ds] = torch.zeros(len(drafter_rows), gamma, vocab).scatter_(
+                    2, tokens[ds][..., None], 1.0
+                )
+        if conf is not None and drafted.confidence_logits is not None:
+            conf[ds] = drafted.confidence_logits[:, :gamma].float()
+    if len(lookup_rows):
+        lk = torch.tensor(list(lookup_rows), dtype=torch.long)
+        tokens[lk] = torch.tensor([list(p[:gamma]) for p in proposals], dtype=torch.long)
+        if probs is not None:
+            probs[lk] = torch.zeros(len(lookup_rows), gamma, vocab).scatter_(2, tokens[lk][..., None], 1.0)
+    return Drafts(tokens, probs, conf)

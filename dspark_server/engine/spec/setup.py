@@ -16,6 +16,7 @@ from dspark_server.engine.profiler import (
 )
 from dspark_server.engine.spec.decoder import SpeculativeDecoder
 from dspark_server.engine.spec.draft_gate import DraftGate
+from dspark_server.engine.spec.lookup import PromptLookup
 from dspark_server.engine.spec.step_overhead import StepOverhead
 from dspark_server.models.drafter_checkpoint import load_drafter
 from dspark_server.models.kernel_library import load_library
@@ -65,6 +66,7 @@ def build_speculative(cfg: EngineConfig, runner: ModelRunner) -> SpeculativeDeco
         gate,
         overhead,
         resolve_greedy_calibration(cfg),
+        PromptLookup(gamma) if spec.prompt_lookup else None,
     )
 
 
