@@ -139,3 +139,27 @@ def test_context_write_from_bf16_weights_matches_the_bf16_rounded_drafter(lib: o
     torch.testing.assert_close(got.k[:, slots], want.k[:, slots], atol=3e-2, rtol=3e-2)
     torch.testing.assert_close(got.v[:, slots], want.v[:, slots], atol=3e-2, rtol=3e-2)
     assert (got.k[:, slots] - full.k[:, slots]).abs().max() > 1e-4  # bf16 weights were served
+
+
+@pytest.mark.parametrize("rows", [1, 2])
+def test_greedy_markov_block_from_bf16_w2_follows_the_bf16_rounded_head(lib: object, rows: int) -> None:
+    """At one or two requests the greedy Markov draft reads W2 in bf16 under weight-only bf16:
+    its tokens are the argmax of U_k + W2 W1[x_{k-1}] with W2 and W1[x] rounded to bf16."""
+    from dspark_server.models.drafter_heads import MarkovHead
+
+    torch.manual_seed(rows)
+    vocab, rank = 160, 16  # the packed layout's shapes: V a multiple of 32, r even
+    head = MarkovHead(vocab, rank)
+    head.serve_bf16(2)
+    g = torch.Generator().manual_seed(rows)
+    base = torch.randn(rows, 7, vocab, generator=g) * 0.3  # small: the bias decides
+    anchors = torch.randint(0, vocab, (rows,), generator=g)
+    with torch.no_grad():
+        got = head.greedy_block(lib, base, anchors)  # type: ignore[arg-type]
+        w1, w2 = head.markov_w1.weight, head.markov_w2.weight
+        want, prev = [], anchors
+        for k in range(7):
+            prev = (base[:, k] + w1[prev].bfloat16().float() @ w2.bfloat16().float().T).argmax(-1)
+            want.append(prev)
+    assert got is not None and torch.equal(got, torch.stack(want, dim=1))
+    assert len(set(got.flatten().tolist())) > 3

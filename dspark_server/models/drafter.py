@@ -26,22 +26,25 @@ import torch.nn.functional as F
 from torch import nn
 from torch.nn.utils.rnn import pad_sequence
 
-from dspark_server.models import layer_ops
+from dspark_server.models import bf16_weights, layer_ops
 from dspark_server.models.attention import KVPool, resolve_impl
 from dspark_server.models.drafter_attention import gather_attends, paged_block_attend
 from dspark_server.models.drafter_config import DraftConfig
-from dspark_server.models.drafter_heads import build_confidence_head, build_markov_head
+from dspark_server.models.drafter_heads import MarkovHead, build_confidence_head, build_markov_head
 from dspark_server.models.drafter_layers import DraftLayer
 from dspark_server.models.fused_context import ContextShape, FusedContextWrite
 from dspark_server.models.fused_forward import (
     DecoderShape,
     DecoderWeights,
     FusedForward,
+    bf16_supported,
     serving_layer_weights,
 )
 from dspark_server.models.layers import RMSNorm, RotaryEmbedding, serving_layout_
 from dspark_server.models.paged_layout import PagedLayout
 from dspark_server.models.target import TargetModel
+
+GREEDY_BF16_ROWS = 2  # the greedy Markov kernel's per-request path; more requests run one sgemm
 
 
 @dataclass(frozen=True)
@@ -132,6 +135,10 @@ class DSparkDrafter(nn.Module):
         with the PyTorch ops (None). With ``fused``, a float32 block pass is one call into the
         library (the target's fused forward in block mode, models/fused_forward.py)."""
         self._kernels = lib
+        if isinstance(self.markov_head, MarkovHead):  # its greedy block: W2 in bf16 at 1-2 requests
+            w2 = self.markov_head.markov_w2.weight
+            bf16 = weight_dtype == torch.bfloat16 and bf16_supported(lib) and bf16_weights.fits(w2.t())
+            self.markov_head.serve_bf16(GREEDY_BF16_ROWS if bf16 else 0)
         layers = serving_layer_weights(cast("list[DraftLayer]", self.layers)) if fused else None
         if layers is None:
             self._fused = self._fused_context = None

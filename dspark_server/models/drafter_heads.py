@@ -20,6 +20,7 @@ import ctypes
 import torch
 from torch import nn
 
+from dspark_server.models import bf16_weights
 from dspark_server.models.drafter_config import DraftConfig
 from dspark_server.models.kernel_library import blas_sgemm
 
@@ -32,7 +33,14 @@ class MarkovHead(nn.Module):
         self.rank = rank
         self.markov_w1 = nn.Embedding(vocab_size, rank)
         self.markov_w2 = nn.Linear(rank, vocab_size, bias=False)
-        self._w2t: tuple[tuple[int, int], torch.Tensor] | None = None  # greedy_block's W2^T
+        self._w2t: tuple[tuple[int, int, bool], torch.Tensor] | None = None  # greedy_block's W2^T
+        self.bf16_rows = 0  # greedy_block: up to this many requests, W2^T in bf16 (serve_bf16)
+
+    def serve_bf16(self, rows: int) -> None:
+        """Weight-only bf16 serving: ``greedy_block`` reads W2^T in bfloat16 for blocks of up to
+        ``rows`` requests (0: float32 always)."""
+        self.bf16_rows = rows
+        self._w2t = None
 
     def prev_embed(self, prev_tokens: torch.Tensor) -> torch.Tensor:
         """W1[x] for token ids of any shape -> [..., r]."""
@@ -91,7 +99,25 @@ class MarkovHead(nn.Module):
         ids = anchors.to(torch.int64).contiguous()
         r, g, v = base.shape
         tokens = torch.empty(r, g, dtype=torch.int64)
-        w1c, w2t = w1.detach().contiguous(), self._w2_transposed()
+        w1c = w1.detach().contiguous()
+        if r <= self.bf16_rows:
+            w2b = self._w2_packed()
+            rc = lib.dspark_markov_greedy_bf16w(
+                r,
+                g,
+                v,
+                self.rank,
+                base.data_ptr(),
+                ids.data_ptr(),
+                w1c.data_ptr(),
+                w2b.data_ptr(),
+                tokens.data_ptr(),
+                torch.get_num_threads(),
+            )
+            if rc != 0:
+                raise RuntimeError(f"greedy Markov head kernel failed with code {rc}")
+            return tokens
+        w2t = self._w2_transposed()
         rc = lib.dspark_markov_greedy_f32(
             sgemm,
             r,
@@ -109,13 +135,18 @@ class MarkovHead(nn.Module):
             raise RuntimeError(f"greedy Markov head kernel failed with code {rc}")
         return tokens
 
-    def _w2_transposed(self) -> torch.Tensor:
-        """W2 [V, r] as a contiguous [r, V] copy (what the kernel streams), rebuilt if W2 changed."""
+    def _w2_transposed(self, packed: bool = False) -> torch.Tensor:
+        """W2 [V, r] as a contiguous [r, V] copy (what the kernel streams), or that copy in
+        bf16 packed for linear_bf16.cpp; rebuilt if W2 changed."""
         w2 = self.markov_w2.weight
-        key = (w2.data_ptr(), w2._version)
+        key = (w2.data_ptr(), w2._version, packed)
         if self._w2t is None or self._w2t[0] != key:
-            self._w2t = (key, w2.detach().t().contiguous())
+            wt = w2.detach().t().contiguous()
+            self._w2t = (key, bf16_weights.packed(wt) if packed else wt)
         return self._w2t[1]
+
+    def _w2_packed(self) -> torch.Tensor:
+        return self._w2_transposed(packed=True)
 
     def block_bias(self, prev_tokens: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
         """Teacher-forced biases for whole blocks: prev [..., g], hidden [..., g, H] -> [..., g, V]."""

@@ -150,6 +150,8 @@ SIGNATURES = {  # every function returns an int status (0: done)
     "dspark_context_write_f32": [_P, _P, _C, _I, _P, _I, *[_P] * 3, _I, _F, *[_I] * 3, _F, *[_P] * 5, _C],
     # sgemm; rows, g, vocab, rank; base, anchors, w1, w2, tokens; threads
     "dspark_markov_greedy_f32": [_P, *[_I] * 4, *[_P] * 5, _C],
+    # rows, g, vocab, rank; base, anchors, w1, w2 (bf16), tokens; threads
+    "dspark_markov_greedy_bf16w": [*[_I] * 4, *[_P] * 5, _C],
     # x; m, k; packed bf16 weight; n; out; accumulate; threads
     "dspark_linear_bf16": [_P, _I, _I, _P, _I, _P, _C, _C],
     "dspark_has_bf16": [],

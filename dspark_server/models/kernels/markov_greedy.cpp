@@ -8,6 +8,9 @@
 #include <stdlib.h>
 #include <string.h>
 
+extern "C" int dspark_linear_bf16(const float* x, int64_t m, int64_t k, const uint16_t* wp, int64_t n, float* out,
+                                  int accumulate, int nthreads);
+
 namespace {
 using Sgemm = void (*)(const char*, const char*, const int*, const int*, const int*, const float*, const float*,
                        const int*, const float*, const int*, const float*, float*, const int*);
@@ -39,6 +42,33 @@ inline void bias_direct(const float* base, const float* z, const float* w2t, int
 }  // namespace
 
 extern "C" {
+
+// dspark_markov_greedy_f32 for a few requests (each on its own) under weight-only bf16: the bias
+// W2 W1[x] is linear_bf16.cpp's small-M GEMM (W1[x] rounded to bf16, W2^T [r, V] packed as the
+// fused forwards' weights are) accumulated onto U_k: half the bytes of float32 W2, read by the
+// AVX512-BF16 dot products.
+int dspark_markov_greedy_bf16w(int64_t rows, int64_t g, int64_t vocab, int64_t rank, const float* base,
+                               const int64_t* anchors, const float* w1, const uint16_t* w2_packed, int64_t* tokens,
+                               int nthreads) {
+  if (rows <= 0 || g <= 0 || vocab <= 0 || rank <= 0) return 1;
+  for (int64_t i = 0; i < rows; ++i)
+    if (anchors[i] < 0 || anchors[i] >= vocab) return 1;
+  float* logits = static_cast<float*>(malloc(sizeof(float) * vocab));
+  if (!logits) return 1;
+  int rc = 0;
+  for (int64_t i = 0; i < rows && rc == 0; ++i) {
+    int64_t prev = anchors[i];
+    for (int64_t k = 0; k < g; ++k) {
+      memcpy(logits, base + (i * g + k) * vocab, sizeof(float) * vocab);
+      if ((rc = dspark_linear_bf16(w1 + prev * rank, 1, rank, w2_packed, vocab, logits, 1, nthreads))) break;
+      float m;
+      argmax(logits, 0, vocab, &m, &prev);
+      tokens[i * g + k] = prev;
+    }
+  }
+  free(logits);
+  return rc;
+}
 
 // base [R, g, V] (U_k per position), anchors [R], w1 [V, r] row-major, w2t [r, V] (W2 transposed,
 // contiguous) -> tokens [R, g]. Returns 0, or 1 for a bad argument.
