@@ -28,7 +28,7 @@ from dspark_server.engine.engine import LLMEngine
 from dspark_server.engine.request import SamplingParams
 from dspark_server.engine.spec import decoder as decoder_module
 
-PHASES = ("_draft", "_plan", "_keep_accepted", "_observe")
+PHASES = ("_draft", "_plan", "_observe")
 
 
 def _wrap(obj: object, name: str, totals: dict[str, float], key: str) -> None:
@@ -70,6 +70,7 @@ def breakdown(
     if eng.spec is not None:
         for name in PHASES:
             _wrap(eng.spec, name, totals, name.strip("_"))
+        _wrap(eng.spec.context, "keep_accepted", totals, "keep_accepted")
         _wrap(decoder_module, "verify_forward", totals, "verify")
     _wrap(eng.runner, "forward", totals, "forward")
     _wrap(eng, "commit", totals, "commit")

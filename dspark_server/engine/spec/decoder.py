@@ -23,16 +23,18 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from dspark_server.engine.kv_cache import PageAllocator, PageTable
+from dspark_server.engine.kv_cache import PageAllocator
 from dspark_server.engine.model_runner import ForwardResult, ModelRunner
 from dspark_server.engine.request import Request
 from dspark_server.engine.sampling import SamplingTensors
 from dspark_server.engine.scheduler import ScheduledChunk
-from dspark_server.engine.spec.deferred_context import DeferredContext, Run
+from dspark_server.engine.spec.context_writes import ContextWrites
+from dspark_server.engine.spec.deferred_context import Run
 from dspark_server.engine.spec.draft_gate import DraftGate
 from dspark_server.engine.spec.drafting import Drafts, merge_drafts, sample_drafts
 from dspark_server.engine.spec.lookup import PromptLookup
 from dspark_server.engine.spec.rounds import RoundRecord
+from dspark_server.engine.spec.step_lessons import teach
 from dspark_server.engine.spec.step_overhead import StepOverhead
 from dspark_server.engine.spec.verify import VerifyOutcome
 from dspark_server.engine.spec.verify_forward import verify_forward
@@ -81,16 +83,6 @@ class SpecStepResult:
 
 
 @dataclass(frozen=True)
-class _ContextRows:
-    """``count`` new tokens of one sequence: packed rows ``row..``, positions ``position..``."""
-
-    table: PageTable
-    row: int
-    position: int
-    count: int
-
-
-@dataclass(frozen=True)
 class _Plan:
     lens: list[int]
     confidences: torch.Tensor | None  # [R, γ] calibrated, as the planner saw them
@@ -130,7 +122,8 @@ class SpeculativeDecoder:
         self.drift = drift
         self.gamma = gamma
         self.gate = gate  # None: always draft (the fixed / threshold baselines)
-        self.deferred = DeferredContext()  # drafter-context writes put off by plain steps
+        self.context = ContextWrites(drafter, pool)
+        self.deferred = self.context.deferred  # drafter-context writes put off by plain steps
         self.overhead = overhead  # None: price steps by SPS(B) alone, as the method doc does
         self.lookup = lookup  # None: the drafter drafts for every request
         self._steps_since_refresh = 0
@@ -164,13 +157,7 @@ class SpeculativeDecoder:
         self.last_verify_lens = [0] * len(decodes)
         if self.live_sps is not None and decodes and not prefills:
             self.live_sps.record(forward.batch.num_tokens, forward.seconds)
-        hidden = forward.output.hidden
-        assert hidden is not None
-        # the forward packed one token per decode, then the prefill chunks: its rows in run order
-        runs = [Run(r, p) for r, p in zip(decodes, positions, strict=True)]
-        runs += [Run(c.request, c.start, c.num_tokens) for c in prefills]
-        if runs and self.deferred.defer(runs, hidden):
-            self._catch_up(alloc)  # the buffer is full
+        self.context.defer_plain_step(alloc, decodes, positions, prefills, forward)
 
     @torch.inference_mode()
     def step(
@@ -193,7 +180,7 @@ class SpeculativeDecoder:
         prefill_tokens = sum(c.num_tokens for c in prefills)
         anchor_pos = [r.num_computed for r in decodes]
         plain_runs = [Run(r, r.num_computed) for r in plain]
-        self._catch_up(runner.allocator, only=decodes if plain else None)
+        self.context.catch_up(runner.allocator, only=decodes if plain else None)
         catch_up_s = time.perf_counter() - t_start
         proposals = [self.lookup.propose(r) if self.lookup is not None else [] for r in decodes]
         assert self.lookup is not None or not any(proposals)
@@ -216,7 +203,9 @@ class SpeculativeDecoder:
             for i, req in enumerate(decodes):
                 emitted = drafts.tokens[i, : outcome.accepted[i]].tolist() + [outcome.next_tokens[i]]
                 self.lookup.record(req, i in chosen, proposals[i], emitted, plan.lens[i])
-        self._keep_accepted(runner.allocator, decodes, anchor_pos, prefills, forward, outcome, plain_runs)
+        self.context.keep_accepted(
+            runner.allocator, decodes, anchor_pos, outcome.accepted, plain_runs, prefills, forward
+        )
         emitted = [
             RequestTokens(
                 req,
@@ -251,7 +240,9 @@ class SpeculativeDecoder:
         # the catch-up is the price of switching from plain steps: priced as the steady cost of
         # drafting, it would keep the gate on plain steps, whose put-off writes grow the next one
         catch_up = result.catch_up_seconds
-        self._learn(
+        teach(
+            self.gate,
+            self.overhead,
             [d.request for d in result.decodes],
             True,
             forecast,
@@ -268,35 +259,17 @@ class SpeculativeDecoder:
         self, decodes: list[Request], forward: ForwardResult, prefill_tokens: int, step_seconds: float
     ) -> None:
         """After a plain step (``keep_plain``): the same lessons, one token per request."""
-        self._learn(decodes, False, [1] * len(decodes), forward, prefill_tokens, 0.0, step_seconds)
-
-    def _learn(
-        self,
-        decodes: list[Request],
-        drafted: bool,
-        tokens: Sequence[float],
-        forward: ForwardResult,
-        prefill_tokens: int,
-        draft_seconds: float,
-        step_seconds: float,
-        switch_seconds: float = 0.0,
-        num_requests: int | None = None,
-        kept: Sequence[int] | None = None,
-    ) -> None:
-        if not decodes:
-            return
-        # Under steady traffic almost every step also carries a prefill chunk: leave out its
-        # share of the forward (by token count) rather than the whole step, so the estimates
-        # keep learning instead of freezing on the rare prefill-free steps.
-        prefill_s = forward.seconds * prefill_tokens / max(1, forward.batch.num_tokens)
-        step_s = step_seconds - prefill_s
-        if self.gate is not None and not drafted:
-            self.gate.record_plain(len(decodes), step_s)
-        elif self.gate is not None:
-            ids, regimes = [r.request_id for r in decodes], [r.params.temperature for r in decodes]
-            self.gate.record(ids, drafted, tokens, step_s, switch_seconds, regimes, num_requests, kept)
-        if self.overhead is not None and (num_requests is None or num_requests == len(decodes)):
-            self.overhead.record(len(decodes), step_s, forward.seconds - prefill_s, draft_seconds)
+        teach(
+            self.gate,
+            self.overhead,
+            decodes,
+            False,
+            [1] * len(decodes),
+            forward,
+            prefill_tokens,
+            0.0,
+            step_seconds,
+        )
 
     # ---- phases ----------------------------------------------------------------------------
 
@@ -397,61 +370,6 @@ class SpeculativeDecoder:
             skip = set(lookup_rows)
             drafter_rows = [i for i in range(len(decodes)) if i not in skip]
         return _Plan(lens, confidences, survival, predicted, drafter_rows)
-
-    def _keep_accepted(
-        self,
-        alloc: PageAllocator,
-        decodes: list[Request],
-        anchor_pos: list[int],
-        prefills: list[ScheduledChunk],
-        forward: ForwardResult,
-        outcome: VerifyOutcome,
-        plain: list[Run],
-    ) -> None:
-        """Keep x0..x_acc in both caches; one drafter-context write for the whole step, prefill
-        chunks included; the plain decodes' rows are put off, as a plain step's are."""
-        offsets = forward.batch.offsets
-        rows: list[_ContextRows] = []
-        for i, (req, start) in enumerate(zip(decodes, anchor_pos, strict=True)):
-            alloc.truncate(req.table, start + outcome.accepted[i] + 1)
-            rows.append(_ContextRows(req.table, offsets[i], start, outcome.accepted[i] + 1))
-        self._write_context(
-            alloc, forward, rows + self._prefill_rows(forward, len(decodes) + len(plain), prefills)
-        )
-        if plain:
-            hidden = forward.output.hidden
-            assert hidden is not None
-            at = torch.tensor(offsets[len(decodes) : len(decodes) + len(plain)])
-            if self.deferred.defer(plain, hidden[at]):
-                self._catch_up(alloc)
-
-    @staticmethod
-    def _prefill_rows(
-        forward: ForwardResult, num_before: int, prefills: list[ScheduledChunk]
-    ) -> list[_ContextRows]:
-        offsets = forward.batch.offsets[num_before:]
-        return [
-            _ContextRows(c.request.table, off, c.start, c.num_tokens)
-            for off, c in zip(offsets, prefills, strict=True)
-        ]
-
-    def _write_context(self, alloc: PageAllocator, forward: ForwardResult, rows: list[_ContextRows]) -> None:
-        """One drafter-context write for these runs of the forward's new tokens."""
-        if not rows:
-            return
-        hidden = forward.output.hidden
-        assert hidden is not None
-        packed = torch.cat([torch.arange(r.row, r.row + r.count) for r in rows])
-        positions = torch.cat([torch.arange(r.position, r.position + r.count) for r in rows])
-        slots = torch.cat([alloc.slots(r.table, r.position, r.position + r.count) for r in rows])
-        self.drafter.write_context(hidden[packed], positions, slots, self.pool)
-
-    def _catch_up(self, alloc: PageAllocator, only: list[Request] | None = None) -> None:
-        """Write the drafter context that steps without drafting put off (before drafting
-        reads it): of ``only`` these requests, when given."""
-        writes = self.deferred.take(alloc, only)
-        if writes is not None:
-            self.drafter.write_context(writes.features, writes.positions, writes.slots, self.pool)
 
     def _observe(self, decodes: list[Request], drafts: Drafts, plan: _Plan, outcome: VerifyOutcome) -> None:
         """The drafter's rounds (not the prompt lookup's) to the calibration drift tracker and

@@ -1,0 +1,102 @@
+"""The drafter's context after each step: which committed positions get their K/V written now
+(a drafting step's accepted tokens and its prefill chunks) and which are put off (a plain step's
+rows, and a drafting step's plain decodes), and the catch-up of those before a request drafts.
+
+Invariant (decoder.py): the drafter's context K/V hold the projected target features of every
+committed position before a request's anchor when it drafts. Rows are the target forward's
+captured features (``TargetOutput.hidden``), written by ``DSparkDrafter.write_context``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from dspark_server.engine.kv_cache import PageAllocator, PageTable
+from dspark_server.engine.model_runner import ForwardResult
+from dspark_server.engine.request import Request
+from dspark_server.engine.scheduler import ScheduledChunk
+from dspark_server.engine.spec.deferred_context import DeferredContext, Run
+from dspark_server.models.attention import KVPool
+from dspark_server.models.drafter import DSparkDrafter
+
+
+@dataclass(frozen=True)
+class _ContextRows:
+    """``count`` new tokens of one sequence: packed rows ``row..``, positions ``position..``."""
+
+    table: PageTable
+    row: int
+    position: int
+    count: int
+
+
+class ContextWrites:
+    def __init__(self, drafter: DSparkDrafter, pool: KVPool) -> None:
+        self.drafter = drafter
+        self.pool = pool
+        self.deferred = DeferredContext()  # drafter-context writes put off by plain steps
+
+    def defer_plain_step(
+        self,
+        alloc: PageAllocator,
+        decodes: Sequence[Request],
+        positions: Sequence[int],
+        prefills: Sequence[ScheduledChunk],
+        forward: ForwardResult,
+    ) -> None:
+        """A plain step's rows (one per decode, then the prefill chunks') are put off, so that a
+        plain step in dspark mode costs what a plain step costs."""
+        hidden = forward.output.hidden
+        assert hidden is not None
+        runs = [Run(r, p) for r, p in zip(decodes, positions, strict=True)]
+        runs += [Run(c.request, c.start, c.num_tokens) for c in prefills]
+        if runs and self.deferred.defer(runs, hidden):
+            self.catch_up(alloc)  # the buffer is full
+
+    def keep_accepted(
+        self,
+        alloc: PageAllocator,
+        decodes: Sequence[Request],
+        anchor_pos: Sequence[int],
+        accepted: Sequence[int],
+        plain: Sequence[Run],
+        prefills: Sequence[ScheduledChunk],
+        forward: ForwardResult,
+    ) -> None:
+        """After verification: keep x0..x_acc in both caches, one drafter-context write for the
+        drafting requests and the prefill chunks; the plain decodes' rows are put off."""
+        offsets = forward.batch.offsets
+        rows: list[_ContextRows] = []
+        for i, (req, start) in enumerate(zip(decodes, anchor_pos, strict=True)):
+            alloc.truncate(req.table, start + accepted[i] + 1)
+            rows.append(_ContextRows(req.table, offsets[i], start, accepted[i] + 1))
+        first_prefill = len(decodes) + len(plain)
+        for off, c in zip(offsets[first_prefill:], prefills, strict=True):
+            rows.append(_ContextRows(c.request.table, off, c.start, c.num_tokens))
+        self._write(alloc, forward, rows)
+        if plain:
+            hidden = forward.output.hidden
+            assert hidden is not None
+            at = torch.tensor(offsets[len(decodes) : first_prefill])
+            if self.deferred.defer(plain, hidden[at]):
+                self.catch_up(alloc)
+
+    def catch_up(self, alloc: PageAllocator, only: Sequence[Request] | None = None) -> None:
+        """Write the context steps without drafting put off (before drafting reads it): of
+        ``only`` these requests, when given."""
+        writes = self.deferred.take(alloc, only)
+        if writes is not None:
+            self.drafter.write_context(writes.features, writes.positions, writes.slots, self.pool)
+
+    def _write(self, alloc: PageAllocator, forward: ForwardResult, rows: list[_ContextRows]) -> None:
+        if not rows:
+            return
+        hidden = forward.output.hidden
+        assert hidden is not None
+        packed = torch.cat([torch.arange(r.row, r.row + r.count) for r in rows])
+        positions = torch.cat([torch.arange(r.position, r.position + r.count) for r in rows])
+        slots = torch.cat([alloc.slots(r.table, r.position, r.position + r.count) for r in rows])
+        self.drafter.write_context(hidden[packed], positions, slots, self.pool)

@@ -1,0 +1,42 @@
+"""What a finished step teaches the draft gate and the step-overhead estimate (dspark mode)."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from dspark_server.engine.model_runner import ForwardResult
+from dspark_server.engine.request import Request
+from dspark_server.engine.spec.draft_gate import DraftGate
+from dspark_server.engine.spec.step_overhead import StepOverhead
+
+
+def teach(
+    gate: DraftGate | None,
+    overhead: StepOverhead | None,
+    decodes: Sequence[Request],
+    drafted: bool,
+    tokens: Sequence[float],
+    forward: ForwardResult,
+    prefill_tokens: int,
+    draft_seconds: float,
+    step_seconds: float,
+    switch_seconds: float = 0.0,
+    num_requests: int | None = None,
+    kept: Sequence[int] | None = None,
+) -> None:
+    """One step's decoding share of time, its tokens per request (``tokens``: expected or kept)
+    and, for a drafting step, the draft pass's time and the catch-up (``switch_seconds``)."""
+    if not decodes:
+        return
+    # Under steady traffic almost every step also carries a prefill chunk: leave out its share
+    # of the forward (by token count) rather than the whole step, so the estimates keep learning
+    # instead of freezing on the rare prefill-free steps.
+    prefill_s = forward.seconds * prefill_tokens / max(1, forward.batch.num_tokens)
+    step_s = step_seconds - prefill_s
+    if gate is not None and not drafted:
+        gate.record_plain(len(decodes), step_s)
+    elif gate is not None:
+        ids, regimes = [r.request_id for r in decodes], [r.params.temperature for r in decodes]
+        gate.record(ids, drafted, tokens, step_s, switch_seconds, regimes, num_requests, kept)
+    if overhead is not None and (num_requests is None or num_requests == len(decodes)):
+        overhead.record(len(decodes), step_s, forward.seconds - prefill_s, draft_seconds)
