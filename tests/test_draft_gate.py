@@ -344,3 +344,23 @@ def test_plain_steps_are_explored_only_when_the_plain_step_time_is_stale() -> No
 
     assert run(fresh_plain=False) >= 3  # stale: explored now and then
     assert run(fresh_plain=True) == 0
+
+
+def test_a_seeded_buckets_first_measurement_replaces_the_seed() -> None:
+    """A load bucket seen for the first time starts from the nearest measured one's step times,
+    scaled; its first measured step replaces that estimate (it must not be outvoted by it)."""
+    gate = DraftGate(min_samples=2, explore_run=1)
+    small = IDS8[:2]  # bucket of 2 requests
+    for _ in range(2):  # warm-up: two drafting steps, then two plain ones
+        assert drafts_all(gate, small) is True
+        gate.record(small, True, [4.0] * 2, 0.010)
+    for _ in range(2):
+        assert drafts_all(gate, small) is False
+        gate.record(small, False, [1] * 2, 0.004)
+    big = [f"b{i}" for i in range(8)]  # two buckets up: seeded as 4x the small one's times
+    assert drafts_all(gate, big) is True  # drafting looks 2x cheaper than it is: it drafts
+    assert gate.rates()[gate.bucket_of(8)][0] == pytest.approx(4.0 / 0.040)
+    gate.record(big, True, [4.0] * 8, 0.080)  # the first step after plain ones: the switch's
+    assert drafts_all(gate, big) is True
+    gate.record(big, True, [4.0] * 8, 0.080)  # a warm drafting step: twice the seed
+    assert gate.rates()[gate.bucket_of(8)][0] == pytest.approx(4.0 / 0.080)
