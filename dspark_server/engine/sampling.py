@@ -20,6 +20,7 @@ import torch
 
 from dspark_server.engine.noise import NoiseKey, keyed_argmax
 from dspark_server.engine.request import GREEDY_BELOW, SamplingParams
+from dspark_server.models.kernel_library import load_library
 
 
 @dataclass(frozen=True)
@@ -134,6 +135,27 @@ def sample(
     return out
 
 
+def _sample_temperature(
+    logits: torch.Tensor, temperature: torch.Tensor, generators: Sequence[torch.Generator]
+) -> torch.Tensor | None:
+    """``sample(shape_probs(...))`` for rows that shape by temperature alone, as one kernel call
+    (kernels/sample_rows.cpp: the same inverse-CDF draw, with the same uniforms); None where the
+    kernel library is not available."""
+    lib = load_library()
+    if lib is None or logits.dtype != torch.float32 or logits.dim() != 2:
+        return None
+    x = logits.contiguous()
+    temps = temperature.float().contiguous()
+    uniforms = torch.stack([torch.rand((), generator=g) for g in generators]).double().contiguous()
+    out = torch.empty(x.shape[0], dtype=torch.long)
+    rc = lib.dspark_sample_temperature(
+        x.data_ptr(), x.shape[0], x.shape[1], temps.data_ptr(), uniforms.data_ptr(), out.data_ptr(), 1
+    )
+    if rc != 0:
+        raise RuntimeError(f"temperature sampling kernel failed with code {rc}")
+    return out
+
+
 def inverse_cdf(weights: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:
     """One draw per row of unnormalised weights [N, V] from uniforms [N] in [0, 1): the first
     index whose cumulative weight exceeds u · total (never a zero-weight index; one-hot rows give
@@ -152,6 +174,11 @@ def sample_from_logits(
 ) -> torch.Tensor:
     if s.all_greedy:
         return logits.argmax(dim=-1)
+    fast = None
+    if not (s.any_greedy or s.any_top_k or s.any_top_p) and not any(k is not None for k in keys or ()):
+        fast = _sample_temperature(logits, s.temperature, generators)
+    if fast is not None:
+        return fast
     tokens = sample(shape_probs(logits, s), generators, keys)
     if s.any_greedy:
         greedy = s.greedy

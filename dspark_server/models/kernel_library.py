@@ -155,6 +155,8 @@ SIGNATURES = {  # every function returns an int status (0: done)
     # x; m, k; packed bf16 weight; n; out; accumulate; threads
     "dspark_linear_bf16": [_P, _I, _I, _P, _I, _P, _C, _C],
     "dspark_has_bf16": [],
+    # logits; rows, vocab; temperatures, uniforms (float64), out; threads
+    "dspark_sample_temperature": [_P, _I, _I, _P, _P, _P, _C],
 }
 
 
