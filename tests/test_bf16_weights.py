@@ -29,7 +29,7 @@ def lib() -> object:
     return lib
 
 
-@pytest.mark.parametrize("m", [1, 3, 8, 9, 20])
+@pytest.mark.parametrize("m", [1, 3, 8, 9, 16, 20, 31])
 @pytest.mark.parametrize("accumulate", [0, 1])
 def test_small_m_kernel_is_the_bf16_rounded_product(lib: object, m: int, accumulate: int) -> None:
     g = torch.Generator().manual_seed(m)
