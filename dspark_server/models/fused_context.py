@@ -20,7 +20,7 @@ import torch
 
 from dspark_server.models import bf16_weights
 from dspark_server.models.attention import KVPool
-from dspark_server.models.fused_forward import LayerWeights, bf16_supported
+from dspark_server.models.fused_forward import LayerWeights, bf16_supported, cache_addresses
 from dspark_server.models.kernel_library import blas_bf16_gemm, blas_sgemm
 
 SYMBOL = "dspark_context_write_f32"
@@ -161,6 +161,5 @@ class FusedContextWrite:
 
     def _cache_addresses(self, pool: KVPool) -> torch.Tensor:
         if self._caches is None or self._caches[0] is not pool:
-            ptrs = [p for i in range(self.num_layers) for p in (pool.k[i].data_ptr(), pool.v[i].data_ptr())]
-            self._caches = (pool, torch.tensor(ptrs, dtype=torch.int64))
+            self._caches = (pool, cache_addresses(pool, self.num_layers))
         return self._caches[1]

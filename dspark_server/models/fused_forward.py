@@ -308,9 +308,14 @@ class FusedForward:
 
     def _cache_addresses(self, pool: KVPool) -> torch.Tensor:
         if self._caches is None or self._caches[0] is not pool:
-            ptrs = [p for i in range(self.num_layers) for p in (pool.k[i].data_ptr(), pool.v[i].data_ptr())]
-            self._caches = (pool, torch.tensor(ptrs, dtype=torch.int64))
+            self._caches = (pool, cache_addresses(pool, self.num_layers))
         return self._caches[1]
+
+
+def cache_addresses(pool: KVPool, num_layers: int) -> torch.Tensor:
+    """[2 * layers] int64: each layer's K and V cache address, in the order the kernels read."""
+    ptrs = [p for i in range(num_layers) for p in (pool.k[i].data_ptr(), pool.v[i].data_ptr())]
+    return torch.tensor(ptrs, dtype=torch.int64)
 
 
 def bf16_supported(lib: ctypes.CDLL | None) -> bool:

@@ -9,14 +9,7 @@
 #include <stdlib.h>
 
 #include "gemm.h"
-
-extern "C" {
-int dspark_rms_norm(int dtype, const void* x, const void* delta, void* sum_out, const void* w, void* out,
-                    int64_t rows, int64_t dim, float eps, int nthreads);
-int dspark_qk_norm_rope_store(int dtype, const void* qkv, int64_t tokens, int64_t hq, int64_t hkv, int64_t d,
-                              const int64_t* positions, const float* inv_freq, const void* qk_w, float eps,
-                              const int64_t* slots, void* k_cache, void* v_cache, void* q_out, int nthreads);
-}
+#include "kernels.h"
 
 namespace {
 // Per layer, in this order: the k|v weight (float32 [K, ld] slice, or its packed bf16 blocks),
