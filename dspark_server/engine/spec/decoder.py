@@ -182,9 +182,7 @@ class SpeculativeDecoder:
         plain_runs = [Run(r, r.num_computed) for r in plain]
         self.context.catch_up(runner.allocator, only=decodes if plain else None)
         catch_up_s = time.perf_counter() - t_start
-        proposals = [self.lookup.propose(r) if self.lookup is not None else [] for r in decodes]
-        assert self.lookup is not None or not any(proposals)
-        lookup_rows = [i for i, r in enumerate(decodes) if proposals[i] and self.lookup.prefers(r)]  # type: ignore[union-attr]
+        proposals, lookup_rows = self._lookups(decodes)
         drafts = self._draft(runner.allocator, decodes, anchor_pos, sampling, lookup_rows, proposals)
         draft_s = time.perf_counter() - t_start
         plan = self._plan(
@@ -272,6 +270,14 @@ class SpeculativeDecoder:
         )
 
     # ---- phases ----------------------------------------------------------------------------
+
+    def _lookups(self, decodes: list[Request]) -> tuple[list[list[int]], list[int]]:
+        """Every request's prompt-lookup proposal ([] for none), and the rows the lookup drafts."""
+        lookup = self.lookup
+        if lookup is None:
+            return [[] for _ in decodes], []
+        proposals = [lookup.propose(r) for r in decodes]
+        return proposals, [i for i, r in enumerate(decodes) if proposals[i] and lookup.prefers(r)]
 
     def _draft(
         self,
