@@ -20,7 +20,7 @@ import torch
 
 from dspark_server.models import bf16_weights
 from dspark_server.models.attention import KVPool
-from dspark_server.models.fused_forward import LayerWeights, bf16_supported, cache_addresses
+from dspark_server.models.fused_forward import LayerWeights, bf16_supported, cache_addresses, gemm_addresses
 from dspark_server.models.kernel_library import blas_bf16_gemm, blas_sgemm
 
 SYMBOL = "dspark_context_write_f32"
@@ -64,13 +64,8 @@ class FusedContextWrite:
         self.hidden_norm = hidden_norm.detach().float().contiguous()
         held: list[torch.Tensor] = [self.inv_freq, self.hidden_norm]
         start, width = shape.kv_start, shape.kv_width
-        fc_t = fc.detach().t().contiguous()  # [C, H]
-        if bgemm is None:
-            held.append(fc_t)
-            self.fc, self.fc_plain = fc_t.data_ptr(), 0
-        else:
-            held += [bf16_weights.packed(fc_t), bf16_weights.plain(fc_t)]
-            self.fc, self.fc_plain = held[-2].data_ptr(), held[-1].data_ptr()
+        bf16 = bgemm is not None
+        self.fc, self.fc_plain = gemm_addresses(fc.detach().t().contiguous(), bf16, held)  # [C, H]
         table: list[int] = []
         for layer in layers:
             assert layer.qk_norm is not None  # build checks
@@ -78,12 +73,9 @@ class FusedContextWrite:
             assert wt.is_contiguous(), "the fused q|k|v weight must be in the serving layout"
             k_norm = layer.qk_norm[shape.heads[0] :].detach().float().contiguous()
             held += [wt, k_norm]
-            if bgemm is None:
-                table += [wt[:, start:].data_ptr(), 0, int(wt.shape[1]), k_norm.data_ptr()]
-                continue
-            kv_t = wt[:, start : start + width]
-            held += [bf16_weights.packed(kv_t), bf16_weights.plain(kv_t)]
-            table += [held[-2].data_ptr(), held[-1].data_ptr(), width, k_norm.data_ptr()]
+            # float32: the k|v columns in place (row stride N); bf16: copies of just those columns
+            kv, kv_plain = gemm_addresses(wt[:, start : start + width], bf16, held)
+            table += [kv, kv_plain, width if bf16 else int(wt.shape[1]), k_norm.data_ptr()]
         self.layer_table = torch.tensor(table, dtype=torch.int64)
         self._held = held
         self._caches: tuple[KVPool, torch.Tensor] | None = None

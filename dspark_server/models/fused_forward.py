@@ -152,12 +152,7 @@ class FusedForward:
         held: list[torch.Tensor] = []
 
         def gemm_weight(m: torch.Tensor) -> tuple[int, int]:
-            """(the address the forward's GEMM reads, the plain bf16 copy's or 0)"""
-            wt = _transposed(m)
-            if bgemm is None:
-                return wt.data_ptr(), 0
-            held.extend((bf16_weights.packed(wt), bf16_weights.plain(wt)))
-            return held[-2].data_ptr(), held[-1].data_ptr()
+            return gemm_addresses(_transposed(m), bgemm is not None, held)
 
         self.lm_wt, self.lm_plain = gemm_weight(w.lm_head)
         ptrs: list[int] = []
@@ -310,6 +305,17 @@ class FusedForward:
         if self._caches is None or self._caches[0] is not pool:
             self._caches = (pool, cache_addresses(pool, self.num_layers))
         return self._caches[1]
+
+
+def gemm_addresses(wt: torch.Tensor, bf16: bool, held: list[torch.Tensor]) -> tuple[int, int]:
+    """(the address a fused call's GEMM reads for the [K, N] weight ``wt``, the plain bf16 copy's
+    or 0): ``wt`` itself in float32, its packed and plain bf16 copies (kept in ``held``) for
+    weight-only bf16."""
+    if not bf16:
+        held.append(wt)
+        return wt.data_ptr(), 0
+    held.extend((bf16_weights.packed(wt), bf16_weights.plain(wt)))
+    return held[-2].data_ptr(), held[-1].data_ptr()
 
 
 def cache_addresses(pool: KVPool, num_layers: int) -> torch.Tensor:
