@@ -56,11 +56,11 @@ def _run(
     observe = spec._observe
     most = 0
 
-    def spy(decodes, drafts, plan, outcome):  # type: ignore[no-untyped-def]
+    def spy(decodes, drafts, plan, outcome, *rest):  # type: ignore[no-untyped-def]
         if drafts.confidence_logits is not None:
             tokens.append(drafts.tokens.clone())
             logits.append(drafts.confidence_logits.clone())
-        return observe(decodes, drafts, plan, outcome)
+        return observe(decodes, drafts, plan, outcome, *rest)
 
     keep = spec.keep_plain  # where a plain step defers its writes
 

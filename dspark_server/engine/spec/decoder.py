@@ -88,7 +88,15 @@ class _Plan:
     confidences: torch.Tensor | None  # [R, γ] calibrated, as the planner saw them
     survival: torch.Tensor | None
     predicted_seconds: float | None = None  # τ / Θ of the chosen plan, when priced by a table
-    drafter_rows: list[int] | None = None  # the rows the drafter's confidences priced (None: all)
+
+
+@dataclass(frozen=True)
+class _Sources:
+    """Who drafts for each request this step: the prompt lookup (its rows) or the drafter."""
+
+    proposals: list[list[int]]  # every request's lookup proposal ([]: none)
+    lookup_rows: list[int]
+    drafter_rows: list[int]
 
 
 class SpeculativeDecoder:
@@ -182,11 +190,17 @@ class SpeculativeDecoder:
         plain_runs = [Run(r, r.num_computed) for r in plain]
         self.context.catch_up(runner.allocator, only=decodes if plain else None)
         catch_up_s = time.perf_counter() - t_start
-        proposals, lookup_rows = self._lookups(decodes)
-        drafts = self._draft(runner.allocator, decodes, anchor_pos, sampling, lookup_rows, proposals)
+        sources = self._sources(decodes)
+        drafts = self._draft(runner.allocator, decodes, anchor_pos, sampling, sources)
         draft_s = time.perf_counter() - t_start
         plan = self._plan(
-            decodes, drafts, sampling, draft_s, max_draft_tokens, prefill_tokens + len(plain), lookup_rows
+            decodes,
+            drafts,
+            sampling,
+            draft_s,
+            max_draft_tokens,
+            prefill_tokens + len(plain),
+            sources.lookup_rows,
         )
         self.last_verify_lens = plan.lens + [0] * len(plain)
 
@@ -195,12 +209,12 @@ class SpeculativeDecoder:
         forward, outcome = verified.forward, verified.outcome
         if self.live_sps is not None and not prefills and not plain:  # they would skew the curve
             self.live_sps.record(forward.batch.num_tokens, forward.seconds)
-        self._observe(decodes, drafts, plan, outcome)
+        self._observe(decodes, drafts, plan, outcome, sources.drafter_rows)
         if self.lookup is not None:
-            chosen = set(lookup_rows)
+            chosen = set(sources.lookup_rows)
             for i, req in enumerate(decodes):
                 emitted = drafts.tokens[i, : outcome.accepted[i]].tolist() + [outcome.next_tokens[i]]
-                self.lookup.record(req, i in chosen, proposals[i], emitted, plan.lens[i])
+                self.lookup.record(req, i in chosen, sources.proposals[i], emitted, plan.lens[i])
         self.context.keep_accepted(
             runner.allocator, decodes, anchor_pos, outcome.accepted, plain_runs, prefills, forward
         )
@@ -271,13 +285,15 @@ class SpeculativeDecoder:
 
     # ---- phases ----------------------------------------------------------------------------
 
-    def _lookups(self, decodes: list[Request]) -> tuple[list[list[int]], list[int]]:
-        """Every request's prompt-lookup proposal ([] for none), and the rows the lookup drafts."""
+    def _sources(self, decodes: list[Request]) -> _Sources:
+        """Every request's prompt-lookup proposal, and which rows the lookup drafts for."""
         lookup = self.lookup
         if lookup is None:
-            return [[] for _ in decodes], []
+            return _Sources([[] for _ in decodes], [], list(range(len(decodes))))
         proposals = [lookup.propose(r) for r in decodes]
-        return proposals, [i for i, r in enumerate(decodes) if proposals[i] and lookup.prefers(r)]
+        chosen = [bool(p) and lookup.prefers(r) for r, p in zip(decodes, proposals, strict=True)]
+        rows = range(len(decodes))
+        return _Sources(proposals, [i for i in rows if chosen[i]], [i for i in rows if not chosen[i]])
 
     def _draft(
         self,
@@ -285,15 +301,13 @@ class SpeculativeDecoder:
         decodes: list[Request],
         anchor_pos: list[int],
         sampling: SamplingTensors,
-        lookup_rows: Sequence[int] = (),
-        proposals: Sequence[Sequence[int]] = (),
+        sources: _Sources,
     ) -> Drafts:
-        """The drafter's block for the requests the prompt lookup does not draft for
-        (``lookup_rows``: those it does, ``proposals``: every request's proposal), merged."""
-        if not lookup_rows:
+        """The drafter's block for the requests the prompt lookup does not draft for, merged
+        with the lookup's proposals for the others."""
+        if not sources.lookup_rows:
             return self._draft_block(alloc, decodes, anchor_pos, sampling)
-        skip = set(lookup_rows)
-        rows = [i for i in range(len(decodes)) if i not in skip]
+        rows, lookup_rows = sources.drafter_rows, sources.lookup_rows
         drafted = None
         if rows:
             sub = SamplingTensors.from_params([decodes[i].params for i in rows])
@@ -303,7 +317,7 @@ class SpeculativeDecoder:
             rows,
             drafted,
             lookup_rows,
-            [proposals[i] for i in lookup_rows],
+            [sources.proposals[i] for i in lookup_rows],
             self.gamma,
             self.drafter.config.vocab_size,
             not sampling.all_greedy,
@@ -371,16 +385,13 @@ class SpeculativeDecoder:
         ]
         if confidences is None and max_draft_tokens is not None:
             lens = cap_lengths(np.asarray(lens), max_draft_tokens).tolist()
-        drafter_rows = None
-        if lookup_rows:
-            skip = set(lookup_rows)
-            drafter_rows = [i for i in range(len(decodes)) if i not in skip]
-        return _Plan(lens, confidences, survival, predicted, drafter_rows)
+        return _Plan(lens, confidences, survival, predicted)
 
-    def _observe(self, decodes: list[Request], drafts: Drafts, plan: _Plan, outcome: VerifyOutcome) -> None:
-        """The drafter's rounds (not the prompt lookup's) to the calibration drift tracker and
-        the round observers."""
-        rows = plan.drafter_rows if plan.drafter_rows is not None else list(range(len(decodes)))
+    def _observe(
+        self, decodes: list[Request], drafts: Drafts, plan: _Plan, outcome: VerifyOutcome, rows: list[int]
+    ) -> None:
+        """The drafter's rounds (``rows``; not the prompt lookup's) to the calibration drift
+        tracker and the round observers."""
         if not rows:
             return
         at = torch.tensor(rows, dtype=torch.long)
