@@ -149,7 +149,13 @@ def _sample_temperature(
     uniforms = torch.stack([torch.rand((), generator=g) for g in generators]).double().contiguous()
     out = torch.empty(x.shape[0], dtype=torch.long)
     rc = lib.dspark_sample_temperature(
-        x.data_ptr(), x.shape[0], x.shape[1], temps.data_ptr(), uniforms.data_ptr(), out.data_ptr(), 1
+        x.data_ptr(),
+        x.shape[0],
+        x.shape[1],
+        temps.data_ptr(),
+        uniforms.data_ptr(),
+        out.data_ptr(),
+        torch.get_num_threads(),
     )
     if rc != 0:
         raise RuntimeError(f"temperature sampling kernel failed with code {rc}")
@@ -174,11 +180,10 @@ def sample_from_logits(
 ) -> torch.Tensor:
     if s.all_greedy:
         return logits.argmax(dim=-1)
-    fast = None
     if not (s.any_greedy or s.any_top_k or s.any_top_p) and not any(k is not None for k in keys or ()):
         fast = _sample_temperature(logits, s.temperature, generators)
-    if fast is not None:
-        return fast
+        if fast is not None:
+            return fast
     tokens = sample(shape_probs(logits, s), generators, keys)
     if s.any_greedy:
         greedy = s.greedy

@@ -151,11 +151,10 @@ class DSparkDrafter(nn.Module):
             shared.lm_head.weight.data,
             self.rotary_emb.inv_freq,
         )
-        self._fused = FusedForward.build(lib, DecoderShape.of(self.config), weights, weight_dtype)
-        shape = ContextShape(
-            self.config.hidden_size, DecoderShape.of(self.config).heads, self.hidden_norm.eps
-        )
-        context = FusedContextWrite.build(
+        decoder = DecoderShape.of(self.config)
+        self._fused = FusedForward.build(lib, decoder, weights, weight_dtype)
+        shape = ContextShape(decoder.hidden, decoder.heads, self.hidden_norm.eps)
+        self._fused_context = FusedContextWrite.build(  # fc has no bias (DeepSpec's layout)
             lib,
             shape,
             self.fc.weight.data,
@@ -164,7 +163,6 @@ class DSparkDrafter(nn.Module):
             self.rotary_emb.inv_freq,
             weight_dtype,
         )
-        self._fused_context = context if self.fc.bias is None else None
 
     def _kernels_for(self, x: torch.Tensor, pool: KVPool) -> ctypes.CDLL | None:
         fused = cast("DraftLayer", self.layers[0]).self_attn._qkv is not None

@@ -100,37 +100,14 @@ class MarkovHead(nn.Module):
         r, g, v = base.shape
         tokens = torch.empty(r, g, dtype=torch.int64)
         w1c = w1.detach().contiguous()
+        args = (r, g, v, self.rank, base.data_ptr(), ids.data_ptr(), w1c.data_ptr())
+        threads = torch.get_num_threads()
         if r <= self.bf16_rows:
-            w2b = self._w2_packed()
-            rc = lib.dspark_markov_greedy_bf16w(
-                r,
-                g,
-                v,
-                self.rank,
-                base.data_ptr(),
-                ids.data_ptr(),
-                w1c.data_ptr(),
-                w2b.data_ptr(),
-                tokens.data_ptr(),
-                torch.get_num_threads(),
-            )
-            if rc != 0:
-                raise RuntimeError(f"greedy Markov head kernel failed with code {rc}")
-            return tokens
-        w2t = self._w2_transposed()
-        rc = lib.dspark_markov_greedy_f32(
-            sgemm,
-            r,
-            g,
-            v,
-            self.rank,
-            base.data_ptr(),
-            ids.data_ptr(),
-            w1c.data_ptr(),
-            w2t.data_ptr(),
-            tokens.data_ptr(),
-            torch.get_num_threads(),
-        )
+            w2b = self._w2_transposed(packed=True)
+            rc = lib.dspark_markov_greedy_bf16w(*args, w2b.data_ptr(), tokens.data_ptr(), threads)
+        else:
+            w2t = self._w2_transposed()
+            rc = lib.dspark_markov_greedy_f32(sgemm, *args, w2t.data_ptr(), tokens.data_ptr(), threads)
         if rc != 0:
             raise RuntimeError(f"greedy Markov head kernel failed with code {rc}")
         return tokens
@@ -144,9 +121,6 @@ class MarkovHead(nn.Module):
             wt = w2.detach().t().contiguous()
             self._w2t = (key, bf16_weights.packed(wt) if packed else wt)
         return self._w2t[1]
-
-    def _w2_packed(self) -> torch.Tensor:
-        return self._w2_transposed(packed=True)
 
     def block_bias(self, prev_tokens: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
         """Teacher-forced biases for whole blocks: prev [..., g], hidden [..., g, H] -> [..., g, V]."""

@@ -90,14 +90,17 @@ def merge_drafts(
             if drafted.probs is not None:
                 probs[ds] = drafted.probs[:, :gamma].float()
             else:  # every drafter row was greedy: its q is one-hot at its draft
-                probs[ds] = torch.zeros(len(drafter_rows), gamma, vocab).scatter_(
-                    2, tokens[ds][..., None], 1.0
-                )
+                probs[ds] = _one_hot(tokens[ds], vocab)
         if conf is not None and drafted.confidence_logits is not None:
             conf[ds] = drafted.confidence_logits[:, :gamma].float()
     if len(lookup_rows):
         lk = torch.tensor(list(lookup_rows), dtype=torch.long)
         tokens[lk] = torch.tensor([list(p[:gamma]) for p in proposals], dtype=torch.long)
         if probs is not None:
-            probs[lk] = torch.zeros(len(lookup_rows), gamma, vocab).scatter_(2, tokens[lk][..., None], 1.0)
+            probs[lk] = _one_hot(tokens[lk], vocab)
     return Drafts(tokens, probs, conf)
+
+
+def _one_hot(tokens: torch.Tensor, vocab: int) -> torch.Tensor:
+    """[R, γ] token ids -> [R, γ, V] float32 distributions one-hot at them."""
+    return torch.zeros(*tokens.shape, vocab).scatter_(2, tokens[..., None], 1.0)

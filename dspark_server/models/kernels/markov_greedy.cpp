@@ -8,8 +8,7 @@
 #include <stdlib.h>
 #include <string.h>
 
-extern "C" int dspark_linear_bf16(const float* x, int64_t m, int64_t k, const uint16_t* wp, int64_t n, float* out,
-                                  int accumulate, int nthreads);
+#include "gemm.h"  // dspark_linear_bf16
 
 namespace {
 using Sgemm = void (*)(const char*, const char*, const int*, const int*, const int*, const float*, const float*,
