@@ -3,9 +3,12 @@
 from __future__ import annotations
 
 import json
+import os
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal, get_args
+
+from dspark_server.machine import cpu_flags
 
 SpecMode = Literal["off", "fixed", "threshold", "dspark"]
 SPEC_MODES: tuple[str, ...] = get_args(SpecMode)
@@ -156,13 +159,26 @@ class EngineConfig:
     # The fused forward's GEMM weights: "float32", or "bfloat16" (weight-only bf16 copies, half the
     # bytes a forward reads, fp32 accumulation, on CPUs with AVX512-BF16; else float32 ones).
     # Activations, the KV cache and sampling stay float32; the model's own weights are kept.
-    weight_dtype: str = "float32"
+    # "auto": $DSPARK_WEIGHT_DTYPE where set, else bfloat16 where the CPU computes it natively
+    # (AVX512-BF16 or AMX-BF16) and the fused forward runs, else float32 (``resolved_weight_dtype``).
+    weight_dtype: str = "auto"
     spec: SpeculativeConfig = field(default_factory=SpeculativeConfig)
+
+    def resolved_weight_dtype(self) -> str:
+        """``weight_dtype`` with "auto" decided for this machine: "float32" or "bfloat16"."""
+        if self.weight_dtype != "auto":
+            return self.weight_dtype
+        env = os.environ.get("DSPARK_WEIGHT_DTYPE", "").strip()
+        if env and env != "auto":
+            return env
+        native = any(f in cpu_flags().split() for f in ("avx512_bf16", "amx_bf16"))
+        return "bfloat16" if native and self.layer_kernels and self.fused_forward else "float32"
 
     def serving_dtype(self) -> str:
         """The dtype a profile of this engine's steps is measured in: ``dtype``, with the fused
         forward's weight dtype where it differs (e.g. "float32+bfloat16-weights")."""
-        return self.dtype if self.weight_dtype == self.dtype else f"{self.dtype}+{self.weight_dtype}-weights"
+        weights = self.resolved_weight_dtype()
+        return self.dtype if weights == self.dtype else f"{self.dtype}+{weights}-weights"
 
     def resolved_num_pages(self) -> int:
         if self.num_pages is not None:

@@ -138,10 +138,11 @@ def add_engine_args(
     )
     g.add_argument(
         "--weight-dtype",
-        choices=("float32", "bfloat16"),
+        choices=("auto", "float32", "bfloat16"),
         default=None,
         help="the fused forward's GEMM weights: bfloat16 serves weight-only bf16 copies (half the "
-        "bytes read, fp32 accumulation; needs AVX512-BF16) "
+        "bytes read, fp32 accumulation; needs AVX512-BF16); auto: $DSPARK_WEIGHT_DTYPE, else "
+        "bfloat16 where the CPU has native bf16, else float32; float32 for bit-exact fp32 "
         f"(default: {field_default(EngineConfig, 'weight_dtype')})",
     )
     if speculation != "none":

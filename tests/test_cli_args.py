@@ -46,7 +46,7 @@ def test_flags_reach_the_config() -> None:
     cfg = engine_config_from_args(ns)
     assert (cfg.draft_dir, cfg.max_running, cfg.page_size) == ("/d", 5, 32)
     assert (cfg.fused_forward, cfg.layer_kernels, cfg.weight_dtype) == (False, True, "bfloat16")
-    assert engine_config_from_args(p.parse_args(flags.split())).weight_dtype == "float32"
+    assert engine_config_from_args(p.parse_args(flags.split())).weight_dtype == "auto"
     assert cfg.spec == SpeculativeConfig(
         mode="dspark",
         gamma=3,
@@ -110,3 +110,24 @@ def test_help_says_generate_and_the_server_default_temperatures_differ() -> None
     assert "0 is greedy" in text and "server's default" in text
     top = build_parser().format_help()
     assert "OpenAI-compatible" in top and "ArgumentParser" not in top
+
+
+def test_auto_weight_dtype_follows_the_environment_then_the_cpu(monkeypatch: pytest.MonkeyPatch) -> None:
+    """ "auto" (the default) serves bf16 weights where the CPU computes bf16 natively and the fused
+    forward runs; $DSPARK_WEIGHT_DTYPE overrides it (the test suite pins float32); an explicit
+    choice is kept."""
+    import dspark_server.config as config
+
+    monkeypatch.delenv("DSPARK_WEIGHT_DTYPE", raising=False)
+    auto = EngineConfig(model_dir="/m")
+    monkeypatch.setattr(config, "cpu_flags", lambda: "fpu sse avx512f avx512_bf16 avx512_vnni")
+    assert auto.resolved_weight_dtype() == "bfloat16"
+    assert auto.serving_dtype() == "float32+bfloat16-weights"
+    assert EngineConfig(model_dir="/m", fused_forward=False).resolved_weight_dtype() == "float32"
+    assert EngineConfig(model_dir="/m", weight_dtype="float32").resolved_weight_dtype() == "float32"
+    monkeypatch.setattr(config, "cpu_flags", lambda: "fpu sse avx2 avx512f")
+    assert auto.resolved_weight_dtype() == "float32"
+    assert auto.serving_dtype() == "float32"
+    assert EngineConfig(model_dir="/m", weight_dtype="bfloat16").resolved_weight_dtype() == "bfloat16"
+    monkeypatch.setenv("DSPARK_WEIGHT_DTYPE", "bfloat16")
+    assert auto.resolved_weight_dtype() == "bfloat16"

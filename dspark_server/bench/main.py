@@ -19,7 +19,7 @@ import sys
 from typing import Any, cast
 
 from dspark_server.bench.common import BenchError, SuiteConfig, command_line, split_ints, split_list
-from dspark_server.config import SPEC_MODES, SpecMode
+from dspark_server.config import SPEC_MODES, EngineConfig, SpecMode
 
 DEFAULT_MODES = ("off", "fixed", "threshold", "dspark")
 SUITES = ("serving", "peers", "oracle")
@@ -122,8 +122,9 @@ def add_bench_args(p: argparse.ArgumentParser, suites: tuple[str, ...] = SUITES)
     g.add_argument(
         "--llama-outtype",
         choices=("f32", "bf16", "f16", "q8_0"),
-        default="f32",
-        help="peers: GGUF weight type for llama.cpp (match --dtype for a like-for-like comparison)",
+        default=None,
+        help="peers: GGUF weight type for llama.cpp (default: the weights our engine serves, bf16 or "
+        "f32, for a like-for-like comparison)",
     )
     g.add_argument(
         "--llama-pre-tokenizer",
@@ -209,7 +210,7 @@ def _dispatch(a: argparse.Namespace) -> None:
                 server_binary=a.llama_server,
                 converter=a.llama_converter,
                 pre_tokenizer=a.llama_pre_tokenizer,
-                outtype=a.llama_outtype,
+                outtype=a.llama_outtype or _gguf_type_of_ours(a),
                 concurrency=concurrency,
                 modes=_spec_modes(a.modes, ("off", "dspark")),
                 server_args=tuple(server_args_from_namespace(a, max(concurrency))),
@@ -284,3 +285,9 @@ def main(argv: list[str]) -> int:
     a = bench_parser().parse_args(argv)
     a.argv = ["bench", *argv]
     return run_bench_command(a)
+
+
+def _gguf_type_of_ours(a: argparse.Namespace) -> str:
+    """The GGUF weight type of the weights our servers will serve (--weight-dtype, resolved)."""
+    ours = EngineConfig(model_dir=a.model or "", weight_dtype=a.weight_dtype or "auto")
+    return "bf16" if ours.resolved_weight_dtype() == "bfloat16" else "f32"

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -15,6 +16,8 @@ from dspark_server.models.attention import KVPool
 from dspark_server.models.kernel_library import load_library
 from dspark_server.models.loader import load_target, resolve_dtype
 from dspark_server.models.target import TargetModel, TargetOutput
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -39,9 +42,11 @@ class ModelRunner:
             self.dtype,
             impl=cfg.attention_impl,
         )
-        if cfg.weight_dtype not in ("float32", "bfloat16"):
-            raise ValueError(f"weight_dtype must be float32 or bfloat16, got {cfg.weight_dtype!r}")
-        self.weight_dtype = resolve_dtype(cfg.weight_dtype)  # the fused forwards' GEMM weights
+        weight_dtype = cfg.resolved_weight_dtype()
+        if weight_dtype not in ("float32", "bfloat16"):
+            raise ValueError(f"weight_dtype must be auto, float32 or bfloat16, got {weight_dtype!r}")
+        self.weight_dtype = resolve_dtype(weight_dtype)  # the fused forwards' GEMM weights
+        log.info("weights served as %s (--weight-dtype %s)", weight_dtype, cfg.weight_dtype)
         lib = load_library() if cfg.layer_kernels else None
         self.target.use_kernels(lib, fused=cfg.fused_forward, weight_dtype=self.weight_dtype)
 
