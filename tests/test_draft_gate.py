@@ -364,3 +364,30 @@ def test_a_seeded_buckets_first_measurement_replaces_the_seed() -> None:
     assert drafts_all(gate, big) is True
     gate.record(big, True, [4.0] * 8, 0.080)  # a warm drafting step: twice the seed
     assert gate.rates()[gate.bucket_of(8)][0] == pytest.approx(4.0 / 0.080)
+
+
+def test_steps_are_priced_with_the_loops_time_between_them() -> None:
+    # one request: drafting 4 tokens in 5 ms (800 tok/s) loses to plain steps of 1 ms (1000
+    # tok/s) as steps alone; but the loop spends 2 ms between any two steps (streaming the
+    # outputs), so a plain iteration is 3 ms (333 tok/s) and a drafting one 7 ms (571 tok/s)
+    def gate_after(outside_s: float) -> DraftGate:
+        gate = DraftGate(min_samples=1, prior_samples=0, max_explore_interval=1024, explore_run=1)
+        _warm(gate, ["a"], (4, 0.005), 0.001)
+        for drafted in (True, False):
+            if outside_s:
+                gate.record_outside(1, drafted, outside_s)
+        return gate
+
+    alone = gate_after(0.0)
+    assert sum(drafts_all(alone, ["a"]) for _ in range(16)) <= 1  # plain, drafting only explored
+    looped = gate_after(0.002)
+    assert sum(drafts_all(looped, ["a"]) for _ in range(16)) >= 15
+    draft_rate, plain_rate = looped.rates()[DraftGate.bucket_of(1)]
+    assert (draft_rate, plain_rate) == (pytest.approx(4 / 0.007), pytest.approx(1 / 0.003))
+    # the loop's time is kept per step kind; an unmeasured kind borrows the other's
+    other = DraftGate(min_samples=1, prior_samples=0)
+    _warm(other, ["a"], (4, 0.005), 0.001)
+    other.record_outside(1, False, 0.002)
+    assert other.rates()[DraftGate.bucket_of(1)] == (pytest.approx(4 / 0.007), pytest.approx(1 / 0.003))
+    other.record_outside(1, True, 0.004)
+    assert other.rates()[DraftGate.bucket_of(1)][0] == pytest.approx(4 / 0.009)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import random
+import time
 from pathlib import Path
 
 import pytest
@@ -330,3 +331,29 @@ def test_rows_are_planned_with_the_regime_of_their_sampling_temperature(
     halfway = [(a + b) / 2 for a, b in zip(survivals[0.5], survivals[1.0], strict=True)]
     want = torch.tensor([survivals[0.0], survivals[0.5], survivals[1.0], halfway])
     assert torch.allclose(survival, want, atol=1e-6)
+
+
+def test_the_loops_time_between_steps_reaches_the_gate_not_idle_time(pair: tuple[Path, Path]) -> None:
+    target, draft = pair
+    engine = make_engine(target, draft, "dspark", draft_gate=True, price_step_overhead=True)
+    spec = engine.spec
+    assert spec is not None and spec.gate is not None
+    seen: list[tuple[int, bool, float]] = []
+    record = spec.record_outside
+
+    def spy(n: int, drafted: bool, seconds: float) -> None:
+        seen.append((n, drafted, seconds))
+        record(n, drafted, seconds)
+
+    spec.record_outside = spy  # type: ignore[method-assign]
+    params = [SamplingParams(temperature=0, max_tokens=40)]
+    generate(engine, [[5, 6, 7]], params)
+    steps = engine.stats.steps
+    time.sleep(0.3)  # idle: not a cost of the step before it
+    generate(engine, [[8, 9, 10, 11]], params)
+    # every step after a decoding step of the same request reported the gap, nothing more
+    assert len(seen) == engine.stats.steps - 4 and steps >= 30
+    assert all(n == 1 and 0.0 <= s < 0.3 for n, _, s in seen)
+    bucket = spec.gate._buckets[spec.gate.bucket_of(1)]
+    assert bucket.outside_draft.count + bucket.outside_plain.count == len(seen)
+    assert {d for _, d, _ in seen} == {True, False}  # warm-up steps of both kinds

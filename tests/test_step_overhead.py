@@ -19,3 +19,10 @@ def test_post_forward_time_is_averaged_per_load_bucket() -> None:
     assert ov.post_seconds(16) == 0.0  # another bucket keeps its own average
     ov.record(16, step_s=0.010, forward_s=0.030, draft_s=0.0)  # inconsistent timing: ignored
     assert ov.post_seconds(16) == 0.0
+    # the engine loop's time between a drafting step and the next is paid by the step too
+    ov.record_outside(12, 0.004)
+    ov.record_outside(12, 0.008)
+    assert ov.post_seconds(15) == pytest.approx(0.020 + 0.006)
+    assert ov.overhead(8, draft_s=0.005) == pytest.approx(0.031)
+    ov.record_outside(16, float("nan"))
+    assert ov.post_seconds(16) == 0.0

@@ -65,6 +65,10 @@ class LLMEngine:
         self.requests: dict[str, Request] = {}
         self._inbox: queue.SimpleQueue[tuple[str, object]] = queue.SimpleQueue()
         self.on_step: Callable[[], None] | None = None  # wakes the engine thread
+        # the latest step with decoding requests, while the loop stays busy: (its decoding
+        # requests, whether all of them drafted, when its measured part ended), so that the
+        # next step tells the speculative decoder how long the loop took in between
+        self._decode_step_end: tuple[int, bool, float] | None = None
 
     # ---- thread-safe entry points ------------------------------------------------------------
 
@@ -123,6 +127,7 @@ class LLMEngine:
         sched = self.scheduler.schedule()
         self.stats.record_preemptions(len(sched.preempted))
         if sched.empty:
+            self._decode_step_end = None
             self._update_gauges()
             return
         t0 = time.perf_counter()
@@ -136,6 +141,8 @@ class LLMEngine:
                     self._finish(req, error=f"internal engine error: {exc}")
         self.stats.record_step(time.perf_counter() - t0)
         self._update_gauges()
+        if not self.has_work():  # the loop goes idle: the time until the next step is not its cost
+            self._decode_step_end = None
 
     def _run(self, sched: SchedulerOutput) -> None:
         now = time.monotonic()
@@ -144,6 +151,10 @@ class LLMEngine:
                 req.first_scheduled_time = now
         self.stats.prompt_tokens += sum(c.num_tokens for c in sched.prefills)
         spec = self.spec
+        if spec is not None and self._decode_step_end is not None:
+            n, drafted, ended = self._decode_step_end
+            spec.record_outside(n, drafted, time.perf_counter() - ended)
+        self._decode_step_end = None
         drafting = spec.drafting(sched.decodes) if spec is not None else []
         if spec is not None and drafting:
             self._run_speculative(spec, sched, drafting)
@@ -164,7 +175,9 @@ class LLMEngine:
         completing = [c.request for c in sched.prefills if c.completes]
         self._sample_next(sched.decodes + completing, result.output.logits)
         if spec is not None and sched.decodes:
-            seconds = time.perf_counter() - t0
+            ended = time.perf_counter()
+            seconds = ended - t0
+            self._decode_step_end = (len(sched.decodes), False, ended)
             spec.record_plain(sched.decodes, result, sum(c.num_tokens for c in sched.prefills), seconds)
             self.stats.record_spec_step(len(sched.decodes), "plain", None, seconds)
 
@@ -185,7 +198,9 @@ class LLMEngine:
         completing = [c.request for c in sched.prefills if c.completes]
         rows = torch.tensor(result.plain_rows + result.prefill_rows, dtype=torch.long)
         self._sample_next(result.plain + completing, result.forward.output.logits[rows])
-        seconds = time.perf_counter() - t0
+        ended = time.perf_counter()
+        seconds = ended - t0
+        self._decode_step_end = (len(sched.decodes), not plain, ended)
         spec.record(result, kept, seconds)
         choice = "drafts" if sum(d.spec_round[1] for d in result.decodes) else "none"  # verified any?
         self.stats.record_spec_step(len(sched.decodes), choice, result.predicted_seconds, seconds)

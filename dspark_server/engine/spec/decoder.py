@@ -283,6 +283,14 @@ class SpeculativeDecoder:
             step_seconds,
         )
 
+    def record_outside(self, num_decodes: int, drafted: bool, seconds: float) -> None:
+        """The engine loop's time between a step with ``num_decodes`` decoding requests (a
+        drafting one or not) and the next step: a cost every step pays once."""
+        if self.gate is not None:
+            self.gate.record_outside(num_decodes, drafted, seconds)
+        if self.overhead is not None and drafted:
+            self.overhead.record_outside(num_decodes, seconds)
+
     # ---- phases ----------------------------------------------------------------------------
 
     def _sources(self, decodes: list[Request]) -> _Sources:

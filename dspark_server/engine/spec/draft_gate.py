@@ -53,6 +53,11 @@ to draft pays the switch once, priced as ``switch_seconds / explore_run`` on top
 step's time (the run it is expected to last at least), and an exploration of whole drafting
 steps lasts ``explore_run`` steps, so that it measures a warm step and not only a cold one.
 
+Both step kinds are priced as whole iterations of the engine loop: the loop's time between a
+step and the next (streaming the step's outputs to the server, metrics, scheduling) is paid
+once per step whatever the step emitted, so comparing the steps alone favours the short plain
+steps. Served at one request on the demo pair it is of the order of a plain step's own time.
+
 The decision depends on past steps only, never on the tokens about to be drafted, so skipping a
 draft changes speed, not the output distribution.
 """
@@ -121,9 +126,25 @@ class _Bucket:
     tokens_per_request: _Mean = field(default_factory=_Mean)  # in drafting steps: the prior
     switch_seconds: _Mean = field(default_factory=_Mean)  # catch-up of a drafting step after plain ones
     partial_lost: _Mean = field(default_factory=_Mean)  # what drafting for a few costs, vs plain
+    # the engine loop's time between a step of each kind and the next one (streaming the
+    # outputs, metrics, scheduling): paid once per step, whatever the step emitted
+    outside_draft: _Mean = field(default_factory=_Mean)
+    outside_plain: _Mean = field(default_factory=_Mean)
     since_explore: int = 0
     since_partial: int = 0
     since_plain: int = 0  # steps since a plain step's time was measured
+
+    def outside(self, drafted: bool) -> float:
+        """Seconds the loop spends outside a step of this kind (the other kind's until measured)."""
+        kinds = (self.outside_draft, self.outside_plain)
+        for m in kinds if drafted else kinds[::-1]:
+            if m.count and math.isfinite(m.value):
+                return m.value
+        return 0.0
+
+    def iteration(self, drafted: bool) -> float:
+        """A whole loop iteration with a step of this kind: the step's time and the loop's."""
+        return (self.draft_seconds if drafted else self.plain_seconds).value + self.outside(drafted)
 
     def measured(self, min_samples: int) -> bool:
         """Both step kinds measured ``min_samples`` times (or seeded as if they were)."""
@@ -319,40 +340,39 @@ class DraftGate:
             return everyone
         switch = b.switch_seconds.value if b.switch_seconds.count else 0.0
         tokens = self.forecast_tokens(request_ids, regimes)
-        draft_rate = tokens / b.draft_seconds.value
-        plain_rate = n / b.plain_seconds.value
+        # rates over whole loop iterations: the loop's time outside a step is paid per step, so
+        # leaving it out would favour the short plain steps
+        draft_s, plain_s = b.iteration(True), b.iteration(False)
+        draft_rate = tokens / draft_s
+        plain_rate = n / plain_s
         # from plain steps, drafting also pays the switch once, over the run it starts
-        entry_rate = (
-            draft_rate if self._last_drafted else tokens / (b.draft_seconds.value + switch / self.explore_run)
-        )
+        entry_rate = draft_rate if self._last_drafted else tokens / (draft_s + switch / self.explore_run)
         if entry_rate >= plain_rate:  # exploring a plain step also pays the switch back
             # it only refreshes the load's plain step time (a plain step emits one token for
             # any request): due when no plain step measured it for the interval
-            lost = b.plain_seconds.value * (1.0 - plain_rate / draft_rate) + switch
-            if b.since_plain >= self.explore_interval(lost, b.draft_seconds.value):
+            lost = plain_s * (1.0 - plain_rate / draft_rate) + switch
+            if b.since_plain >= self.explore_interval(lost, draft_s):
                 b.since_explore = b.since_plain = 0
                 return nobody
             b.since_partial = 0  # every forecast is being refreshed
             return everyone
         # plain is faster; exploring a run of drafting steps also pays the switch into it
         loss_rate = max(0.0, 1.0 - draft_rate / plain_rate)
-        lost = self.explore_run * b.draft_seconds.value * loss_rate + switch
+        lost = self.explore_run * draft_s * loss_rate + switch
         few = self.explore_size(n)
         b.since_partial += 1
         if few == n and b.since_explore >= self.explore_every and self._unsure_newcomer(request_ids, regimes):
             b.since_explore = b.since_partial = 0  # a newcomer on a prior of few samples: learn it, once
             return self._explore_drafting(everyone)
         near = draft_rate >= self.near_ratio * plain_rate
-        interval = self.explore_interval(lost, b.plain_seconds.value)
+        interval = self.explore_interval(lost, plain_s)
         if b.since_explore >= (interval if near or few == n else self.max_explore_interval):
             b.since_explore = b.since_partial = 0
             return self._explore_drafting(everyone)
         if few == n:
             return nobody
         partial = b.partial_lost.value if b.partial_lost.count else lost * few / n
-        if b.since_partial < self.explore_interval(
-            max(0.0, partial), b.plain_seconds.value, self.partial_explore_overhead
-        ):
+        if b.since_partial < self.explore_interval(max(0.0, partial), plain_s, self.partial_explore_overhead):
             return nobody
         b.since_partial = 0
         # the requests known least: never drafted first (they stand on a prior), then the oldest
@@ -443,10 +463,17 @@ class DraftGate:
             b.plain_seconds.update(seconds, self.smoothing)
             b.since_plain = 0
 
+    def record_outside(self, num_requests: int, drafted: bool, seconds: float) -> None:
+        """The loop's time between a finished step of ``num_requests`` decoding requests (of the
+        kind ``drafted`` says) and the next step: streaming its outputs, metrics, scheduling."""
+        if seconds >= 0 and math.isfinite(seconds) and num_requests > 0:
+            b = self._bucket(num_requests)
+            (b.outside_draft if drafted else b.outside_plain).update(seconds, self.smoothing)
+
     def rates(self) -> dict[int, tuple[float, float]]:
         """bucket -> (drafting tokens/s for a request at the prior, plain tokens/s per request),
-        for metrics and tests."""
+        over whole loop iterations, for metrics and tests."""
         return {  # (a copy first: metrics read this from another thread)
-            k: (b.tokens_per_request.value / b.draft_seconds.value, 1.0 / b.plain_seconds.value)
+            k: (b.tokens_per_request.value / b.iteration(True), 1.0 / b.iteration(False))
             for k, b in list(self._buckets.items())
         }
