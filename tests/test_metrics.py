@@ -229,5 +229,13 @@ def test_the_draft_gate_exports_both_rates_of_the_loads_it_has_seen(tmp_path: Pa
             for c in ("plain", "drafts", "none")
         }
         assert steps["plain"] >= 1 and steps["drafts"] + steps["none"] >= 1  # warm-up measured both
+        # the step times behind the rates: each kind's own and the engine loop's after it
+        t = {
+            (c, part): value(after, "dspark_draft_gate_step_seconds", running="1", choice=c, part=part)
+            for c in ("draft", "plain")
+            for part in ("step", "loop")
+        }
+        assert all(0 < x < 1 for x in t.values()), t
+        assert 1 / (t["plain", "step"] + t["plain", "loop"]) == pytest.approx(plain_rate)
     finally:
         s.stop()

@@ -36,6 +36,9 @@ class SpecSnapshot:
     # dspark mode's draft gate, per load bucket (lowest load of the bucket): a request's tokens per
     # second in drafting steps (at the bucket's mean forecast) and in plain steps
     gate_rates: dict[int, tuple[float, float]] = field(default_factory=dict)
+    # and the step times it prices them with: {(choice, part): seconds}, part "step" (the step's
+    # own time) or "loop" (the engine loop's time after it)
+    gate_times: dict[int, dict[tuple[str, str], float]] = field(default_factory=dict)
 
 
 def native_spec_snapshot(engine: LLMEngine) -> SpecSnapshot | None:
@@ -47,12 +50,14 @@ def native_spec_snapshot(engine: LLMEngine) -> SpecSnapshot | None:
         return None
     curve = spec.live_sps.curve() if spec.live_sps is not None else []
     rates = spec.gate.rates() if spec.gate is not None else {}
+    times = spec.gate.times() if spec.gate is not None else {}
     return SpecSnapshot(
         mode=engine.cfg.spec.mode,
         gamma=spec.gamma,
         sps_curve=curve,
         drift=spec.drift.summary(),
         gate_rates={1 << (bucket - 1): r for bucket, r in rates.items()},
+        gate_times={1 << (bucket - 1): t for bucket, t in times.items()},
     )
 
 

@@ -309,6 +309,18 @@ def _spec_families(backend: Backend) -> Iterator[Metric]:
                 if math.isfinite(rate):
                     gate.add_metric([bucket, choice], rate)
         yield gate
+        times = GaugeMetricFamily(
+            "dspark_draft_gate_step_seconds",
+            "dspark mode's draft gate: the step times it prices each choice with, by load "
+            "(decoding requests, power-of-two bucket): a step's own time (part=step) and the "
+            "engine loop's time after it until the next step (part=loop).",
+            labels=["running", "choice", "part"],
+        )
+        for low, parts in sorted(spec.gate_times.items()):
+            for (choice, part), seconds in sorted(parts.items()):
+                if math.isfinite(seconds):
+                    times.add_metric([load_bucket(low), choice, part], seconds)
+        yield times
 
     if spec.sps_curve:
         families = {

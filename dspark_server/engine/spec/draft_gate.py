@@ -470,6 +470,19 @@ class DraftGate:
             b = self._bucket(num_requests)
             (b.outside_draft if drafted else b.outside_plain).update(seconds, self.smoothing)
 
+    def times(self) -> dict[int, dict[tuple[str, str], float]]:
+        """bucket -> {(choice, part): seconds}: each step kind's ("draft", "plain") own time
+        ("step") and the loop's time after it ("loop"), as the gate prices them."""
+        out: dict[int, dict[tuple[str, str], float]] = {}
+        for k, b in list(self._buckets.items()):
+            out[k] = {
+                ("draft", "step"): b.draft_seconds.value,
+                ("draft", "loop"): b.outside(True),
+                ("plain", "step"): b.plain_seconds.value,
+                ("plain", "loop"): b.outside(False),
+            }
+        return out
+
     def rates(self) -> dict[int, tuple[float, float]]:
         """bucket -> (drafting tokens/s for a request at the prior, plain tokens/s per request),
         over whole loop iterations, for metrics and tests."""
