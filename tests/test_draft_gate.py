@@ -391,3 +391,19 @@ def test_steps_are_priced_with_the_loops_time_between_them() -> None:
     assert other.rates()[DraftGate.bucket_of(1)] == (pytest.approx(4 / 0.007), pytest.approx(1 / 0.003))
     other.record_outside(1, True, 0.004)
     assert other.rates()[DraftGate.bucket_of(1)][0] == pytest.approx(4 / 0.009)
+
+
+def test_one_stall_between_steps_does_not_price_the_next_dozens_of_steps() -> None:
+    # the loop's time between plain steps is 1 ms; one 200 ms stall (the process descheduled)
+    # counts as at most 4x the estimate, so the next plain iteration is not priced at ~11 ms
+    gate = DraftGate(min_samples=1, prior_samples=0)
+    _warm(gate, ["a"], (4, 0.005), 0.001)
+    for _ in range(4):
+        gate.record_outside(1, False, 0.001)
+    gate.record_outside(1, False, 0.200)
+    plain_loop = gate.times()[DraftGate.bucket_of(1)][("plain", "loop")]
+    assert plain_loop == pytest.approx(0.001 + 0.2 * (0.004 - 0.001))  # one sample at 4 ms, weight 1/5
+    # a lasting change still moves the estimate up within a few dozen steps
+    for _ in range(40):
+        gate.record_outside(1, False, 0.010)
+    assert gate.times()[DraftGate.bucket_of(1)][("plain", "loop")] > 0.008

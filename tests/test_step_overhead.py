@@ -26,3 +26,6 @@ def test_post_forward_time_is_averaged_per_load_bucket() -> None:
     assert ov.overhead(8, draft_s=0.005) == pytest.approx(0.031)
     ov.record_outside(16, float("nan"))
     assert ov.post_seconds(16) == 0.0
+    # one stall counts as at most 4x the estimate (0.006 -> 0.024 at weight 0.5)
+    ov.record_outside(12, 1.0)
+    assert ov.post_seconds(15) == pytest.approx(0.020 + 0.015)

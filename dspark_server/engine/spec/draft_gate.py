@@ -69,6 +69,19 @@ import statistics
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
+# A sample of the loop's time between steps above this multiple of its estimate counts as this
+# multiple: one stall (a page fault storm, the process descheduled, a garbage collection) would
+# otherwise raise a per-step cost for dozens of steps; a lasting change still moves the estimate
+# (by up to this factor per sample's weight).
+OUTLIER_RATIO = 4.0
+
+
+def clip_outlier(x: float, estimate: float | None) -> float:
+    """``x`` capped at ``OUTLIER_RATIO`` times the current ``estimate`` (None / nan: as is)."""
+    if estimate is None or not math.isfinite(estimate) or estimate <= 0:
+        return x
+    return min(x, OUTLIER_RATIO * estimate)
+
 
 def _regime_key(temperature: float) -> float:
     """Sampling temperatures that accept alike share a prior (0: greedy)."""
@@ -468,7 +481,8 @@ class DraftGate:
         kind ``drafted`` says) and the next step: streaming its outputs, metrics, scheduling."""
         if seconds >= 0 and math.isfinite(seconds) and num_requests > 0:
             b = self._bucket(num_requests)
-            (b.outside_draft if drafted else b.outside_plain).update(seconds, self.smoothing)
+            mean = b.outside_draft if drafted else b.outside_plain
+            mean.update(clip_outlier(seconds, mean.value if mean.count >= 3 else None), self.smoothing)
 
     def times(self) -> dict[int, dict[tuple[str, str], float]]:
         """bucket -> {(choice, part): seconds}: each step kind's ("draft", "plain") own time

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import math
 
-from dspark_server.engine.spec.draft_gate import DraftGate
+from dspark_server.engine.spec.draft_gate import DraftGate, clip_outlier
 
 
 class StepOverhead:
@@ -33,7 +33,8 @@ class StepOverhead:
     def record_outside(self, num_requests: int, seconds: float) -> None:
         """The engine loop's time between a drafting step of ``num_requests`` and the next step."""
         if math.isfinite(seconds) and seconds >= 0:
-            self._update(self._outside, num_requests, seconds)
+            key = DraftGate.bucket_of(num_requests)
+            self._update(self._outside, num_requests, clip_outlier(seconds, self._outside.get(key)))
 
     def _update(self, means: dict[int, float], num_requests: int, x: float) -> None:
         key = DraftGate.bucket_of(num_requests)
