@@ -3,6 +3,8 @@ measured step times per load, picks the faster choice, and keeps exploring the o
 
 from __future__ import annotations
 
+import math
+
 import pytest
 
 from dspark_server.engine.spec.draft_gate import DraftGate
@@ -83,8 +85,9 @@ def test_one_hard_request_does_not_switch_drafting_off_for_the_next() -> None:
 
 def test_costly_exploration_is_rare_but_bounded() -> None:
     # a draft step takes 6x a plain step and emits 1.2x its tokens: each exploring step loses
-    # 6 * (1 - 0.2) = 4.8 plain-step times, so a 2% budget allows one every 241 steps; the
-    # interval cap (64) keeps the forecast fresh at a bounded cost
+    # 6 * (1 - 0.2) = 4.8 plain-step times, so a 2% budget allows one every 241 steps, and at a
+    # rate ratio of 0.198 the odds (0.198 / 0.9)² = 0.048 stretch it to 4,980; the interval cap
+    # (256) keeps the forecast fresh at a bounded cost
     # (explore_fraction 1: no partial exploration, whole drafting steps only)
     ids = [f"r{i}" for i in range(64)]
     gate = DraftGate(
@@ -101,8 +104,13 @@ def test_costly_exploration_is_rare_but_bounded() -> None:
     gate.record(ids, False, [1] * 64, 0.010)
     lost = 0.060 * (1 - (76 / 0.060) / (64 / 0.010))  # 4.8 plain steps' time
     assert gate.explore_interval(lost, 0.010) == 241
-    picks = [drafts_all(gate, ids) for _ in range(482)]
-    assert picks.count(True) == 2 and picks[240] and picks[481]
+    odds = gate.exploration_odds(76 / 0.060, 64 / 0.010)
+    assert odds == pytest.approx((76 / 0.060 / (64 / 0.010) / 0.9) ** 2)
+    assert gate.explore_interval(lost, 0.010, 0.02 * odds) == 256
+    picks = [drafts_all(gate, ids) for _ in range(512)]
+    assert picks.count(True) == 2 and picks[255] and picks[511]
+    # near break-even the whole budget is spent: a rate at 0.9x plain's has odds 1
+    assert gate.exploration_odds(0.9, 1.0) == pytest.approx(1.0) and gate.exploration_odds(0.45, 1.0) == 0.25
     capped = DraftGate(explore_every=4, max_explore_interval=64)
     assert capped.explore_interval(lost, 0.010) == 64
     assert capped.explore_interval(0.0, 0.010) == 4
@@ -115,7 +123,7 @@ def test_while_plain_is_faster_a_few_requests_explore_drafting_for_all() -> None
     ids = [f"r{i}" for i in range(64)]
     gate = DraftGate(
         explore_every=4,
-        max_explore_interval=256,
+        max_explore_interval=4096,
         min_samples=1,
         partial_explore_overhead=0.01,
         prior_samples=0,
@@ -127,10 +135,13 @@ def test_while_plain_is_faster_a_few_requests_explore_drafting_for_all() -> None
     assert gate.choose(ids) == []
     gate.record(ids, False, [1] * 64, 0.010)
     assert gate.explore_size(64) == 8 and gate.explore_size(4) == 1
-    # no partial step measured yet: its loss is taken as 8/64 of a whole one's (4.8 plain steps')
+    # no partial step measured yet: its loss is taken as 8/64 of a whole one's (4.8 plain steps'),
+    # on a budget of 1% times the odds of drafting winning
     whole = 0.060 * (1 - (76 / 0.060) / (64 / 0.010))
-    interval = gate.explore_interval(whole * 8 / 64, 0.010, 0.01)
-    assert interval == 61
+    odds = gate.exploration_odds(76 / 0.060, 64 / 0.010)
+    assert gate.explore_interval(whole * 8 / 64, 0.010, 0.01) == 61  # at odds 1
+    interval = gate.explore_interval(whole * 8 / 64, 0.010, 0.01 * odds)
+    assert interval == math.ceil(whole * 8 / 64 / (0.01 * odds * 0.010)) == 1244
     picks = [gate.choose(ids) for _ in range(interval)]
     assert all(p == [] for p in picks[:-1])
     assert picks[-1] == list(range(8))  # all drafted once, at the same step: the first eight

@@ -28,7 +28,10 @@ the requests' acceptance, and that is learnt more cheaply by drafting for a few 
 take their plain token in the same forward: such a step costs a fraction of a drafting step and
 is budgeted by ``partial_explore_overhead``. A whole drafting step is explored only when the
 forecast comes within ``near_ratio`` of plain steps' rate (or every ``max_explore_interval``
-steps, to keep the cost of drafting measured).
+steps, to keep the cost of drafting measured). Both budgets are spent in proportion to the odds
+of drafting winning, (forecast rate / (``near_ratio`` x plain rate))² at most 1
+(``exploration_odds``): at high load on a CPU drafting loses by a factor of five or more, and a
+flat budget spent a few per cent of the time re-learning that.
 
 A request's own average starts from the prior weighed as one drafting step (its first steps
 outweigh it: 1/2, 1/3, 1/4 ...), then moves by ``request_smoothing`` (0.2) of each drafting
@@ -255,13 +258,27 @@ class DraftGate:
             prior = self._prior.value
         if regimes is None:
             return sum(self._aged(rid, prior) for rid in request_ids)
-        total, ratios = 0.0, dict[float, float]()
+        # per distinct regime (a step has few): its prior and its realised ratio, then one
+        # aged forecast per request (this runs every step, at every load: keep it tight)
+        per_regime: dict[float, tuple[float, float]] = {}
+        forecast, drafted_at, now = self._forecast, self._drafted_at, self._steps
+        decay = math.log(0.5) / self.forecast_half_life
+        total = 0.0
         for rid, regime in zip(request_ids, regimes, strict=True):
-            f = self._aged(rid, self._regime_prior(key, regime, prior))
-            r = ratios.get(regime)
-            if r is None:
-                r = ratios[regime] = self.realised_ratio(regime, len(request_ids))
-            total += f * r
+            known = per_regime.get(regime)
+            if known is None:
+                known = per_regime[regime] = (
+                    self._regime_prior(key, regime, prior),
+                    self.realised_ratio(regime, len(request_ids)),
+                )
+            p, ratio = known
+            own = forecast.get(rid)
+            if own is None or math.isnan(p):
+                f = p if own is None else own
+            else:
+                age = now - drafted_at.get(rid, now)
+                f = p + (own - p) * math.exp(decay * age) if age else own
+            total += f * ratio
         return total
 
     def _aged(self, request_id: str, prior: float) -> float:
@@ -313,6 +330,16 @@ class DraftGate:
         the time; ``max_explore_overhead`` unless given)."""
         steps = lost / ((self.max_explore_overhead if budget is None else budget) * best_seconds)
         return min(self.max_explore_interval, max(self.explore_every, math.ceil(steps)))
+
+    def exploration_odds(self, draft_rate: float, plain_rate: float) -> float:
+        """The share of the exploration budgets spent while plain steps lead: exploring is worth
+        the odds of drafting winning, so the further behind its forecast (below ``near_ratio``
+        of the plain rate), the rarer the re-checks: (ratio / near_ratio)², within [1e-3, 1].
+        At high load on a CPU, drafting loses by a wide margin and a flat budget spent a few
+        per cent of the time re-learning that."""
+        if not plain_rate > 0:
+            return 1.0
+        return min(1.0, max(1e-3, (draft_rate / (self.near_ratio * plain_rate)) ** 2))
 
     def explore_size(self, num_requests: int) -> int:
         """Requests that draft in a partial exploration (all of them: no partial exploration)."""
@@ -378,14 +405,16 @@ class DraftGate:
             b.since_explore = b.since_partial = 0  # a newcomer on a prior of few samples: learn it, once
             return self._explore_drafting(everyone)
         near = draft_rate >= self.near_ratio * plain_rate
-        interval = self.explore_interval(lost, plain_s)
+        odds = self.exploration_odds(draft_rate, plain_rate)
+        interval = self.explore_interval(lost, plain_s, self.max_explore_overhead * odds)
         if b.since_explore >= (interval if near or few == n else self.max_explore_interval):
             b.since_explore = b.since_partial = 0
             return self._explore_drafting(everyone)
         if few == n:
             return nobody
         partial = b.partial_lost.value if b.partial_lost.count else lost * few / n
-        if b.since_partial < self.explore_interval(max(0.0, partial), plain_s, self.partial_explore_overhead):
+        budget = self.partial_explore_overhead * odds
+        if b.since_partial < self.explore_interval(max(0.0, partial), plain_s, budget):
             return nobody
         b.since_partial = 0
         # the requests known least: never drafted first (they stand on a prior), then the oldest
@@ -461,8 +490,13 @@ class DraftGate:
                 for where in ((key, regime), (0, regime)):  # 0: any load
                     self._regimes.setdefault(where, _Mean()).update(expected / rows, self.smoothing)
                     self._kept.setdefault(where, _Mean()).update(emitted / rows, self.smoothing)
-        for rid, n in zip(request_ids, tokens, strict=True):
-            prior = self._forecast.get(rid, b.tokens_per_request.value)
+        bucket_mean = b.tokens_per_request.value
+        for i, (rid, n) in enumerate(zip(request_ids, tokens, strict=True)):
+            if rid in self._forecast:  # its own, aged as the forecast the choice was made on
+                base = bucket_mean if regimes is None else self._regime_prior(key, regimes[i], bucket_mean)
+                prior = self._aged(rid, base)
+            else:
+                prior = bucket_mean
             # the prior weighs as one step: a request's own first steps outweigh it quickly
             count = self._drafts[rid] = self._drafts.get(rid, 0) + 1
             w = max(self.request_smoothing, 1.0 / (count + 1))
