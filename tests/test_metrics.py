@@ -141,6 +141,10 @@ def test_counters_equal_the_workload(server: LoggedServer) -> None:
 
 
 def test_speculative_gauges(server: LoggedServer) -> None:
+    # decoding steps of its own, so the test holds when it runs alone (the live SPS samples
+    # come only from steps that decode without prefill)
+    body = {"model": "target", "prompt": [5, 6, 7], "max_tokens": 40, "temperature": 0}
+    assert httpx.post(f"{server.base_url}/v1/completions", json=body, timeout=60).status_code == 200
     s = wait_idle(server.base_url)
     assert value(s, "dspark_spec_planner_info", mode="dspark") == 1
     assert value(s, "dspark_spec_gamma") == GAMMA

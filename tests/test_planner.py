@@ -278,3 +278,35 @@ def test_roofline_fit_recovers_flat_then_linear_step_times() -> None:
     # a flat (memory-bound) curve stays flat
     flat = fit_roofline(SpsCostTable((1, 64, 512), (100.0, 100.0, 100.0), 512))
     assert fit_roofline(flat).lookup(512) == pytest.approx(100.0) and flat.lookup(1) == pytest.approx(100.0)
+
+
+def test_planning_from_survival_equals_the_naive_loop_and_the_confidence_path() -> None:
+    # the engine plans from its calibration's survival directly (no round trip through
+    # confidences); every mode must plan exactly as from the confidences that survival implies
+    rng = np.random.default_rng(11)
+    for _ in range(60):
+        num_requests, gamma = int(rng.integers(1, 40)), int(rng.integers(1, 9))
+        max_tokens = num_requests * (gamma + 1)
+        probes = sorted({1, *rng.integers(1, max_tokens + 1, size=6).tolist()})
+        sps = np.sort(rng.uniform(1.0, 50.0, size=len(probes)))[::-1]
+        table = SpsCostTable(tuple(probes), tuple(sps.tolist()), max_tokens)
+        conf = torch.from_numpy(rng.beta(5, 1, size=(num_requests, gamma))).float()
+        survival = prefix_survival(conf)  # float32, as the confidence path computes it
+        for mode in ("dspark", "fixed", "threshold", "off"):
+            planner = make_planner(PlannerConfig(mode=mode, gamma=gamma), table)
+            cap = int(rng.integers(0, max_tokens)) if mode != "off" else None
+            direct = planner.plan_survival(survival.double().numpy(), max_draft_tokens=cap)
+            via = planner.plan_detailed(conf, max_draft_tokens=cap)
+            assert direct.verify_lens.tolist() == via.verify_lens.tolist(), mode
+            assert (direct.batch_tokens, direct.expected_tokens) == (
+                via.batch_tokens,
+                pytest.approx(via.expected_tokens),
+            )
+        lens = make_planner(PlannerConfig(mode="dspark", gamma=gamma), table).plan_survival(survival.numpy())
+        assert lens.verify_lens.tolist() == greedy_reference(survival, table)
+    # dirty survival is sanitised like dirty confidences: NaN -> 0, clamped, non-increasing
+    planner = make_planner(PlannerConfig(mode="threshold", gamma=3, threshold=0.5))
+    dirty = np.array([[float("nan"), 0.9, 0.8], [1.5, 0.2, 0.7]])
+    assert planner.plan_survival(dirty).verify_lens.tolist() == [0, 1]
+    with pytest.raises(ValueError, match="positions"):
+        planner.plan_survival(np.ones((2, 4)))

@@ -6,6 +6,7 @@ from .calibration import (
     CalibrationSet,
     RegimeCalibration,
     SurvivalMap,
+    conditionals,
     cross_validated_ece,
     fit_regime,
     fit_survival_maps,
@@ -56,6 +57,7 @@ from .sts import (
 )
 
 __all__ = [
+    "conditionals",
     "CalibrationSet",
     "RegimeCalibration",
     "SurvivalMap",

@@ -106,6 +106,7 @@ class SurvivalMap:
     _shift: np.ndarray = field(init=False, repr=False, compare=False)
     _xs: np.ndarray = field(init=False, repr=False, compare=False)
     _ys: np.ndarray = field(init=False, repr=False, compare=False)
+    _knots: tuple[tuple[np.ndarray, np.ndarray], ...] = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         if len(self.score) != len(self.survival) or not self.score:
@@ -136,6 +137,11 @@ class SurvivalMap:
             self, "_xs", np.concatenate([np.asarray(xs) + shift[k] for k, xs in enumerate(xs_all)])
         )
         object.__setattr__(self, "_ys", np.concatenate([np.asarray(ys) for ys in ys_all]))
+        knots = tuple(
+            (np.asarray(xs, dtype=np.float64), np.asarray(ys, dtype=np.float64))
+            for xs, ys in zip(xs_all, ys_all, strict=True)
+        )
+        object.__setattr__(self, "_knots", knots)  # per position, as arrays (``at``: every step)
 
     @property
     def gamma(self) -> int:
@@ -149,7 +155,8 @@ class SurvivalMap:
 
     def at(self, k: int, x: np.ndarray) -> np.ndarray:
         """Position k's map on float64 inputs: piecewise-linear through the knots, flat outside."""
-        return np.interp(x, self.score[k], self.survival[k])
+        xs, ys = self._knots[k]
+        return np.interp(x, xs, ys)
 
     def at_all(self, x: np.ndarray) -> np.ndarray:
         """Every position's map at once on a float64 [R, gamma] array (column k: position k)."""
@@ -437,22 +444,35 @@ class CalibrationSet:
             raise ValueError(f"raw logits must be [R, gamma], got {tuple(raw_logits.shape)}")
         if temperatures.numel() != raw_logits.shape[0]:
             raise ValueError(f"{temperatures.numel()} temperatures for {raw_logits.shape[0]} rows")
-        if len(self.regimes) == 1:
-            return self.regimes[0].survival(raw_logits)
         raw = raw_logits.detach().to("cpu", torch.float64).numpy()
         temps = temperatures.detach().reshape(-1).to("cpu", torch.float64).numpy()
+        return torch.from_numpy(self.survival_array(raw, temps)).to(raw_logits.device, torch.float32)
+
+    def survival_array(self, raw: np.ndarray, temps: np.ndarray) -> np.ndarray:
+        """``survival`` on float64 numpy arrays ([R, gamma] raw logits, [R] sampling
+        temperatures) -> float64 [R, gamma]: the engine's per-step path."""
+        if raw.ndim != 2 or raw.shape[1] != self.gamma:
+            raise ValueError(f"raw logits must be [R, {self.gamma}], got {raw.shape}")
+        if temps.shape[0] != raw.shape[0]:
+            raise ValueError(f"{temps.shape[0]} temperatures for {raw.shape[0]} rows")
+        if len(self.regimes) == 1:
+            return self.regimes[0].survival_np(raw)
+        if raw.shape[0] and bool((temps == temps[0]).all()):  # the common case: one temperature
+            weights = self._weight_row(float(temps[0]))
+            used = [(r, w) for r, w in zip(self.regimes, weights, strict=True) if w > 0]
+            if len(used) == 1 and used[0][1] == 1.0:
+                return used[0][0].survival_np(raw)
+            out = np.zeros_like(raw)
+            for regime, wi in used:
+                out += wi * regime.survival_np(raw)
+            return out
         out = np.zeros_like(raw)
-        if bool((temps == temps[0]).all()):  # the common case: one sampling temperature for the batch
-            for regime, wi in zip(self.regimes, self._weight_row(float(temps[0])), strict=True):
-                if wi > 0:
-                    out += wi * regime.survival_np(raw)
-        else:
-            w = self.weights(temperatures).numpy()
-            for i, regime in enumerate(self.regimes):
-                rows = np.nonzero(w[:, i] > 0)[0]
-                if rows.size:
-                    out[rows] += w[rows, i : i + 1] * regime.survival_np(raw[rows])
-        return torch.from_numpy(out).to(raw_logits.device, torch.float32)
+        w = self.weights(torch.from_numpy(temps)).numpy()
+        for i, regime in enumerate(self.regimes):
+            rows = np.nonzero(w[:, i] > 0)[0]
+            if rows.size:
+                out[rows] += w[rows, i : i + 1] * regime.survival_np(raw[rows])
+        return out
 
     def apply(self, raw_logits: torch.Tensor, temperatures: torch.Tensor) -> torch.Tensor:
         """The engine's hook: [R, gamma] raw confidence logits and [R] sampling temperatures ->

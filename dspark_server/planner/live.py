@@ -181,14 +181,18 @@ class CalibrationDriftTracker:
         """``predicted_survival`` [R, gamma] a(r, k) used by the planner; ``accepted`` [R]
         drafts accepted; ``verify_lens`` [R] drafts verified (None: all gamma)."""
         pred = predicted_survival.detach().to("cpu", torch.float64).numpy()
-        if pred.ndim != 2 or pred.shape[1] != self._gamma:
-            raise ValueError(f"predicted_survival must be [R, {self._gamma}], got {pred.shape}")
         acc = accepted.detach().to("cpu", torch.int64).numpy().reshape(-1)
         lens = (
-            np.full(acc.shape, self._gamma, dtype=np.int64)
-            if verify_lens is None
-            else verify_lens.detach().to("cpu", torch.int64).numpy().reshape(-1)
+            None if verify_lens is None else verify_lens.detach().to("cpu", torch.int64).numpy().reshape(-1)
         )
+        self.record_arrays(pred, acc, lens)
+
+    def record_arrays(self, pred: np.ndarray, acc: np.ndarray, lens: np.ndarray | None = None) -> None:
+        """``record`` on numpy arrays (the engine's per-step path)."""
+        if pred.ndim != 2 or pred.shape[1] != self._gamma:
+            raise ValueError(f"predicted_survival must be [R, {self._gamma}], got {pred.shape}")
+        acc = acc.reshape(-1)
+        lens = np.full(acc.shape, self._gamma, dtype=np.int64) if lens is None else lens.reshape(-1)
         if acc.shape[0] != pred.shape[0] or lens.shape[0] != pred.shape[0]:
             raise ValueError("predicted_survival, accepted and verify_lens disagree on R")
         observed = lens[:, None] > np.arange(self._gamma)[None, :]  # [R, gamma]

@@ -65,6 +65,19 @@ def _position_major_survival(confidences: torch.Tensor, gamma: int | None = None
     return np.ascontiguousarray(torch.cumprod(c, dim=1).numpy().T)
 
 
+def survival_position_major(survival: np.ndarray, gamma: int | None = None) -> np.ndarray:
+    """A prefix survival a(r, j) [R, gamma] (any float array) -> the planners' float32 [gamma, R]
+    layout, as ``_position_major_survival`` makes it from confidences: NaN counts as 0, values
+    are clamped into [0, 1] and made non-increasing in j (a running minimum)."""
+    a = np.asarray(survival)
+    if a.ndim != 2:
+        raise ValueError(f"survival must be [R, gamma], got shape {a.shape}")
+    if gamma is not None and a.shape[1] != gamma:
+        raise ValueError(f"survival has {a.shape[1]} positions, planner gamma is {gamma}")
+    a = np.clip(np.nan_to_num(a.astype(np.float32), nan=0.0), 0.0, 1.0)
+    return np.ascontiguousarray(np.minimum.accumulate(a, axis=1).T)
+
+
 def prefix_survival(confidences: torch.Tensor, gamma: int | None = None) -> torch.Tensor:
     """a(r, j) = cumulative product of confidences along j: float32 CPU tensor [R, gamma].
 
@@ -180,7 +193,6 @@ class VerifyPlanner(ABC):
             extra_batch_tokens=extra_batch_tokens,
         ).verify_lens
 
-    @abstractmethod
     def plan_detailed(
         self,
         confidences: torch.Tensor,
@@ -188,7 +200,31 @@ class VerifyPlanner(ABC):
         budget_confidences: torch.Tensor | None = None,
         max_draft_tokens: int | None = None,
         extra_batch_tokens: int = 0,
-    ) -> PlanResult: ...
+    ) -> PlanResult:
+        """``plan`` with the plan's model quantities."""
+        surv = _position_major_survival(confidences, self._config.gamma)
+        history = None if budget_confidences is None else _position_major_survival(budget_confidences)
+        return self._plan_pm(surv, history, max_draft_tokens, extra_batch_tokens)
+
+    def plan_survival(
+        self, survival: np.ndarray, *, max_draft_tokens: int | None = None, extra_batch_tokens: int = 0
+    ) -> PlanResult:
+        """The same plan from the prefix survival a(r, j) [R, gamma] itself (the engine's path:
+        its calibration yields survival, and a round trip through confidences costs more than
+        the plan at one request)."""
+        surv = survival_position_major(survival, self._config.gamma)
+        return self._plan_pm(surv, None, max_draft_tokens, extra_batch_tokens)
+
+    @abstractmethod
+    def _plan_pm(
+        self,
+        surv: np.ndarray,
+        history: np.ndarray | None,
+        max_draft_tokens: int | None,
+        extra_batch_tokens: int,
+    ) -> PlanResult:
+        """The plan from position-major survival ``surv`` [gamma, R] (``history``: the stale
+        survival a budget planner sizes its budget from)."""
 
     def _result(self, surv_pm: np.ndarray, lens: np.ndarray, budget: int | None = None) -> PlanResult:
         lens = lens.astype(np.int64, copy=False)
@@ -199,30 +235,26 @@ class VerifyPlanner(ABC):
 class OffPlanner(VerifyPlanner):
     """No speculation: only the anchor is verified."""
 
-    def plan_detailed(
+    def _plan_pm(
         self,
-        confidences: torch.Tensor,
-        *,
-        budget_confidences: torch.Tensor | None = None,
-        max_draft_tokens: int | None = None,
-        extra_batch_tokens: int = 0,
+        surv: np.ndarray,
+        history: np.ndarray | None,
+        max_draft_tokens: int | None,
+        extra_batch_tokens: int,
     ) -> PlanResult:
-        surv = _position_major_survival(confidences, self._config.gamma)
         return self._result(surv, np.zeros(surv.shape[1], dtype=np.int64))
 
 
 class FixedPlanner(VerifyPlanner):
     """Verify every draft (l_r = gamma)."""
 
-    def plan_detailed(
+    def _plan_pm(
         self,
-        confidences: torch.Tensor,
-        *,
-        budget_confidences: torch.Tensor | None = None,
-        max_draft_tokens: int | None = None,
-        extra_batch_tokens: int = 0,
+        surv: np.ndarray,
+        history: np.ndarray | None,
+        max_draft_tokens: int | None,
+        extra_batch_tokens: int,
     ) -> PlanResult:
-        surv = _position_major_survival(confidences, self._config.gamma)
         lens = np.full(surv.shape[1], self._config.gamma, dtype=np.int64)
         return self._result(surv, cap_lengths(lens, max_draft_tokens))
 
@@ -230,15 +262,13 @@ class FixedPlanner(VerifyPlanner):
 class ThresholdPlanner(VerifyPlanner):
     """l_r = largest j with a(r, j) >= threshold (0 if none)."""
 
-    def plan_detailed(
+    def _plan_pm(
         self,
-        confidences: torch.Tensor,
-        *,
-        budget_confidences: torch.Tensor | None = None,
-        max_draft_tokens: int | None = None,
-        extra_batch_tokens: int = 0,
+        surv: np.ndarray,
+        history: np.ndarray | None,
+        max_draft_tokens: int | None,
+        extra_batch_tokens: int,
     ) -> PlanResult:
-        surv = _position_major_survival(confidences, self._config.gamma)
         return self._result(surv, cap_lengths((surv >= self._config.threshold).sum(axis=0), max_draft_tokens))
 
 
@@ -257,16 +287,14 @@ class DSparkPlanner(VerifyPlanner):
     does not. So the admitted count is the length of the leading run of strict improvements.
     """
 
-    def plan_detailed(
+    def _plan_pm(
         self,
-        confidences: torch.Tensor,
-        *,
-        budget_confidences: torch.Tensor | None = None,
-        max_draft_tokens: int | None = None,
-        extra_batch_tokens: int = 0,
+        surv: np.ndarray,
+        history: np.ndarray | None,
+        max_draft_tokens: int | None,
+        extra_batch_tokens: int,
     ) -> PlanResult:
         table = _require_table(self)
-        surv = _position_major_survival(confidences, self._config.gamma)
         num_requests = surv.shape[1]
         if num_requests == 0:
             return PlanResult(torch.zeros(0, dtype=torch.int64), 0, 0.0, 0.0)
@@ -372,19 +400,16 @@ class DSparkBudgetPlanner(VerifyPlanner):
     it is not lossless. Offline analysis may pass the current confidences explicitly.
     """
 
-    def plan_detailed(
+    def _plan_pm(
         self,
-        confidences: torch.Tensor,
-        *,
-        budget_confidences: torch.Tensor | None = None,
-        max_draft_tokens: int | None = None,
-        extra_batch_tokens: int = 0,
+        surv: np.ndarray,
+        history: np.ndarray | None,
+        max_draft_tokens: int | None,
+        extra_batch_tokens: int,
     ) -> PlanResult:
         table = _require_table(self)
-        if budget_confidences is None:
+        if history is None:
             raise ValueError("dspark_budget needs budget_confidences (stale, from earlier rounds)")
-        surv = _position_major_survival(confidences, self._config.gamma)
-        history = _position_major_survival(budget_confidences)
         if history.shape[1] != surv.shape[1]:
             raise ValueError(f"budget_confidences has {history.shape[1]} rows, confidences {surv.shape[1]}")
         budget, _ = _budget_from_pm(history, table, self._config.survival_eps, self._step_overhead_s)

@@ -48,6 +48,7 @@ from dspark_server.planner import (
     StsCalibration,
     VerifyPlanner,
     cap_lengths,
+    conditionals,
     fit_roofline,
     monotone_envelope,
 )
@@ -85,9 +86,19 @@ class SpecStepResult:
 @dataclass(frozen=True)
 class _Plan:
     lens: list[int]
-    confidences: torch.Tensor | None  # [R, γ] calibrated, as the planner saw them
-    survival: torch.Tensor | None
+    survival: np.ndarray | None  # [R, γ] float64: the calibrated prefix survival the plan used
     predicted_seconds: float | None = None  # τ / Θ of the chosen plan, when priced by a table
+
+    def confidences(self) -> torch.Tensor | None:
+        """[R, γ] the calibrated per-position confidences (a_k / a_{k-1}), for the records."""
+        return None if self.survival is None else conditionals(torch.from_numpy(self.survival).float())
+
+    def expected_tokens(self) -> list[float] | None:
+        """Per request, 1 + the survival summed over its verified positions."""
+        if self.survival is None:
+            return None
+        admitted = np.arange(self.survival.shape[1])[None, :] < np.asarray(self.lens)[:, None]
+        return (1.0 + (self.survival * admitted).sum(axis=1)).tolist()
 
 
 @dataclass(frozen=True)
@@ -228,10 +239,7 @@ class SpeculativeDecoder:
                 zip(decodes, outcome.accepted, outcome.next_tokens, strict=True)
             )
         ]
-        expected = None
-        if plan.survival is not None:
-            admitted = torch.arange(plan.survival.shape[1])[None, :] < torch.tensor(plan.lens)[:, None]
-            expected = (1.0 + (plan.survival * admitted).sum(dim=1)).tolist()
+        expected = plan.expected_tokens()
         return SpecStepResult(
             emitted,
             forward,
@@ -366,20 +374,22 @@ class SpeculativeDecoder:
     ) -> _Plan:
         """ℓ_r from calibrated confidences (never from the drafted tokens' values), capped by
         the tokens a request may still emit and the step's budget (lengths only)."""
-        confidences = survival = None
+        survival = None
         predicted: float | None = None
         if drafts.confidence_logits is not None:
-            confidences = self.calibrate(drafts.confidence_logits, sampling.temperature)
+            survival = self.calibrations.survival_array(
+                drafts.confidence_logits.detach().to(torch.float64).numpy(),
+                sampling.temperature.to(torch.float64).numpy(),
+            )
             if lookup_rows:  # priced by the lookup's own acceptance, not the drafter's head
                 assert self.lookup is not None
-                at = torch.tensor(list(lookup_rows), dtype=torch.long)
-                confidences[at] = self.lookup.confidences([self.gamma] * len(lookup_rows))
-            survival = torch.cumprod(confidences, dim=1)
+                lookup = self.lookup.confidences([self.gamma] * len(lookup_rows)).to(torch.float64)
+                survival[list(lookup_rows)] = np.cumprod(lookup.numpy(), axis=1)
             self._refresh_sps_table()
             if self.overhead is not None:
                 self.planner.set_step_overhead(self.overhead.overhead(len(decodes), draft_s))
-            planned = self.planner.plan_detailed(
-                confidences, max_draft_tokens=max_draft_tokens, extra_batch_tokens=prefill_tokens
+            planned = self.planner.plan_survival(
+                survival, max_draft_tokens=max_draft_tokens, extra_batch_tokens=prefill_tokens
             )
             lens = planned.verify_lens.tolist()
             theta = planned.expected_throughput
@@ -391,9 +401,9 @@ class SpeculativeDecoder:
             max(0, min(ell, r.params.max_tokens - len(r.output_ids) - 1))
             for ell, r in zip(lens, decodes, strict=True)
         ]
-        if confidences is None and max_draft_tokens is not None:
+        if survival is None and max_draft_tokens is not None:
             lens = cap_lengths(np.asarray(lens), max_draft_tokens).tolist()
-        return _Plan(lens, confidences, survival, predicted)
+        return _Plan(lens, survival, predicted)
 
     def _observe(
         self, decodes: list[Request], drafts: Drafts, plan: _Plan, outcome: VerifyOutcome, rows: list[int]
@@ -405,10 +415,11 @@ class SpeculativeDecoder:
         at = torch.tensor(rows, dtype=torch.long)
         accepted, lens = [outcome.accepted[i] for i in rows], [plan.lens[i] for i in rows]
         if plan.survival is not None:
-            self.drift.record(plan.survival[at], torch.tensor(accepted), torch.tensor(lens))
+            self.drift.record_arrays(plan.survival[rows], np.asarray(accepted), np.asarray(lens))
         if self.round_observers:
             logits = drafts.confidence_logits[at] if drafts.confidence_logits is not None else None
-            confidences = plan.confidences[at] if plan.confidences is not None else None
+            all_confidences = plan.confidences()
+            confidences = all_confidences[at] if all_confidences is not None else None
             record = RoundRecord([decodes[i] for i in rows], logits, confidences, lens, accepted)
             for observe in self.round_observers:
                 observe(record)
