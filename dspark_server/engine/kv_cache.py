@@ -71,7 +71,12 @@ class PageAllocator:
 
     def slots(self, table: PageTable, start: int, end: int) -> torch.Tensor:
         """Slot indices of positions start..end-1 (pages must already be reserved)."""
-        return self.slots_at(table, torch.arange(start, end))
+        if end - start > 64:
+            return self.slots_at(table, torch.arange(start, end))
+        if end > len(table.pages) * self.page_size:  # a few positions (decode, verify): in Python
+            raise ValueError(f"positions up to {end} are not reserved ({len(table.pages)} pages)")
+        ps, pages = self.page_size, table.pages
+        return torch.tensor([pages[p // ps] * ps + p % ps for p in range(start, end)], dtype=torch.long)
 
     def slots_at(self, table: PageTable, positions: torch.Tensor) -> torch.Tensor:
         """Slot indices of the given positions (pages must already be reserved)."""

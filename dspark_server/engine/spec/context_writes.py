@@ -87,6 +87,8 @@ class ContextWrites:
     def catch_up(self, alloc: PageAllocator, only: Sequence[Request] | None = None) -> None:
         """Write the context steps without drafting put off (before drafting reads it): of
         ``only`` these requests, when given."""
+        if not len(self.deferred):
+            return
         writes = self.deferred.take(alloc, only)
         if writes is not None:
             self.drafter.write_context(writes.features, writes.positions, writes.slots, self.pool)
@@ -96,7 +98,13 @@ class ContextWrites:
             return
         hidden = forward.output.hidden
         assert hidden is not None
-        packed = torch.cat([torch.arange(r.row, r.row + r.count) for r in rows])
-        positions = torch.cat([torch.arange(r.position, r.position + r.count) for r in rows])
-        slots = torch.cat([alloc.slots(r.table, r.position, r.position + r.count) for r in rows])
+        if len(rows) == 1:  # one request (and no prefill chunk): no concatenations
+            (r,) = rows
+            packed = torch.arange(r.row, r.row + r.count)
+            positions = torch.arange(r.position, r.position + r.count)
+            slots = alloc.slots(r.table, r.position, r.position + r.count)
+        else:
+            packed = torch.cat([torch.arange(r.row, r.row + r.count) for r in rows])
+            positions = torch.cat([torch.arange(r.position, r.position + r.count) for r in rows])
+            slots = torch.cat([alloc.slots(r.table, r.position, r.position + r.count) for r in rows])
         self.drafter.write_context(hidden[packed], positions, slots, self.pool)

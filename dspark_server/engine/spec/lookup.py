@@ -60,8 +60,13 @@ class PromptLookup:
         def at(i: int) -> int:
             return prompt[i] if i < n_prompt else output[i - n_prompt]
 
-        def gram(end: int, n: int) -> tuple[int, ...]:
-            return tuple(at(i) for i in range(end - n + 1, end + 1))
+        def gram(end: int, n: int) -> tuple[int, ...]:  # tokens end - n + 1 .. end, by slicing
+            a, b = end - n + 1, end + 1
+            if a >= n_prompt:
+                return tuple(output[a - n_prompt : b - n_prompt])
+            if b <= n_prompt:
+                return tuple(prompt[a:b])
+            return tuple(prompt[a:]) + tuple(output[: b - n_prompt])
 
         for end in range(max(h.indexed - 1, 0), total - 1):  # every n-gram but the suffix's
             for n in range(self.min_n, min(self.max_n, end + 1) + 1):
