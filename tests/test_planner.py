@@ -109,15 +109,20 @@ def test_matches_brute_force_when_unimodal_and_stops_at_first_drop_otherwise() -
     assert checked["unimodal"] > 100 and checked["multimodal"] > 10
 
 
+def random_case(rng: np.random.Generator) -> tuple[int, SpsCostTable, torch.Tensor]:
+    """(gamma, a decreasing SPS table over the reachable batch sizes, confidences [R, gamma])."""
+    num_requests, gamma = int(rng.integers(1, 40)), int(rng.integers(1, 9))
+    max_tokens = num_requests * (gamma + 1)
+    probes = sorted({1, *rng.integers(1, max_tokens + 1, size=6).tolist()})
+    sps = np.sort(rng.uniform(1.0, 50.0, size=len(probes)))[::-1]
+    table = SpsCostTable(tuple(probes), tuple(sps.tolist()), max_tokens)
+    return gamma, table, torch.from_numpy(rng.beta(5, 1, size=(num_requests, gamma))).float()
+
+
 def test_vectorised_greedy_equals_naive_loop_on_larger_batches() -> None:
     rng = np.random.default_rng(7)
     for _ in range(60):
-        num_requests, gamma = int(rng.integers(1, 40)), int(rng.integers(1, 9))
-        max_tokens = num_requests * (gamma + 1)
-        probes = sorted({1, *rng.integers(1, max_tokens + 1, size=6).tolist()})
-        sps = np.sort(rng.uniform(1.0, 50.0, size=len(probes)))[::-1]
-        table = SpsCostTable(tuple(probes), tuple(sps.tolist()), max_tokens)
-        conf = torch.from_numpy(rng.beta(5, 1, size=(num_requests, gamma))).float()
+        gamma, table, conf = random_case(rng)
         lens = make_planner(PlannerConfig(mode="dspark", gamma=gamma), table).plan(conf)
         assert lens.tolist() == greedy_reference(prefix_survival(conf), table)
 
@@ -285,12 +290,8 @@ def test_planning_from_survival_equals_the_naive_loop_and_the_confidence_path() 
     # confidences); every mode must plan exactly as from the confidences that survival implies
     rng = np.random.default_rng(11)
     for _ in range(60):
-        num_requests, gamma = int(rng.integers(1, 40)), int(rng.integers(1, 9))
-        max_tokens = num_requests * (gamma + 1)
-        probes = sorted({1, *rng.integers(1, max_tokens + 1, size=6).tolist()})
-        sps = np.sort(rng.uniform(1.0, 50.0, size=len(probes)))[::-1]
-        table = SpsCostTable(tuple(probes), tuple(sps.tolist()), max_tokens)
-        conf = torch.from_numpy(rng.beta(5, 1, size=(num_requests, gamma))).float()
+        gamma, table, conf = random_case(rng)
+        max_tokens = table.max_batch_tokens
         survival = prefix_survival(conf)  # float32, as the confidence path computes it
         for mode in ("dspark", "fixed", "threshold", "off"):
             planner = make_planner(PlannerConfig(mode=mode, gamma=gamma), table)
