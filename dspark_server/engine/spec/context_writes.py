@@ -98,13 +98,7 @@ class ContextWrites:
             return
         hidden = forward.output.hidden
         assert hidden is not None
-        if len(rows) == 1:  # one request (and no prefill chunk): no concatenations
-            (r,) = rows
-            packed = torch.arange(r.row, r.row + r.count)
-            positions = torch.arange(r.position, r.position + r.count)
-            slots = alloc.slots(r.table, r.position, r.position + r.count)
-        else:
-            packed = torch.cat([torch.arange(r.row, r.row + r.count) for r in rows])
-            positions = torch.cat([torch.arange(r.position, r.position + r.count) for r in rows])
-            slots = torch.cat([alloc.slots(r.table, r.position, r.position + r.count) for r in rows])
+        packed = torch.cat([torch.arange(r.row, r.row + r.count) for r in rows])
+        positions = torch.cat([torch.arange(r.position, r.position + r.count) for r in rows])
+        slots = torch.cat([alloc.slots(r.table, r.position, r.position + r.count) for r in rows])
         self.drafter.write_context(hidden[packed], positions, slots, self.pool)

@@ -377,10 +377,7 @@ class SpeculativeDecoder:
         survival = None
         predicted: float | None = None
         if drafts.confidence_logits is not None:
-            survival = self.calibrations.survival_array(
-                drafts.confidence_logits.detach().to(torch.float64).numpy(),
-                sampling.temperature.to(torch.float64).numpy(),
-            )
+            survival = self.calibrated_survival(drafts.confidence_logits, sampling.temperature)
             if lookup_rows:  # priced by the lookup's own acceptance, not the drafter's head
                 assert self.lookup is not None
                 lookup = self.lookup.confidences([self.gamma] * len(lookup_rows)).to(torch.float64)
@@ -426,9 +423,18 @@ class SpeculativeDecoder:
 
     # ---- calibration and cost table ----------------------------------------------------------
 
+    def calibrated_survival(self, confidence_logits: torch.Tensor, temperatures: torch.Tensor) -> np.ndarray:
+        """Raw confidence logits [R, γ], sampling temperatures [R] -> the calibrated prefix
+        survival [R, γ] (float64) the planner plans on."""
+        return self.calibrations.survival_array(
+            confidence_logits.detach().to(torch.float64).numpy(), temperatures.to(torch.float64).numpy()
+        )
+
     def calibrate(self, confidence_logits: torch.Tensor, temperatures: torch.Tensor) -> torch.Tensor:
         """Raw confidence logits [R, γ], sampling temperatures [R] -> calibrated confidences."""
-        return self.calibrations.apply(confidence_logits, temperatures)
+        return conditionals(
+            torch.from_numpy(self.calibrated_survival(confidence_logits, temperatures)).float()
+        )
 
     def _planning_table(self, table: SpsCostTable) -> SpsCostTable:
         """Measured-cost planning (overhead priced) also plans on the roofline fitted to the probes

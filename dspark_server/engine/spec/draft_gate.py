@@ -86,6 +86,16 @@ def clip_outlier(x: float, estimate: float | None) -> float:
     return min(x, OUTLIER_RATIO * estimate)
 
 
+def drawn_back(own: float | None, prior: float, age: int, half_life: float) -> float:
+    """A request's own forecast ``own`` drawn back to ``prior`` by half every ``half_life`` steps
+    of ``age`` (None: no forecast of its own, the prior; a NaN prior: its own as it is)."""
+    if own is None:
+        return prior
+    if math.isnan(prior) or not age:
+        return own
+    return prior + (own - prior) * 0.5 ** (age / half_life)
+
+
 def _regime_key(temperature: float) -> float:
     """Sampling temperatures that accept alike share a prior (0: greedy)."""
     return round(float(temperature), 1)
@@ -261,8 +271,12 @@ class DraftGate:
         # per distinct regime (a step has few): its prior and its realised ratio, then one
         # aged forecast per request (this runs every step, at every load: keep it tight)
         per_regime: dict[float, tuple[float, float]] = {}
-        forecast, drafted_at, now = self._forecast, self._drafted_at, self._steps
-        decay = math.log(0.5) / self.forecast_half_life
+        forecast, drafted_at, now, half_life = (
+            self._forecast,
+            self._drafted_at,
+            self._steps,
+            self.forecast_half_life,
+        )
         total = 0.0
         for rid, regime in zip(request_ids, regimes, strict=True):
             known = per_regime.get(regime)
@@ -272,13 +286,7 @@ class DraftGate:
                     self.realised_ratio(regime, len(request_ids)),
                 )
             p, ratio = known
-            own = forecast.get(rid)
-            if own is None or math.isnan(p):
-                f = p if own is None else own
-            else:
-                age = now - drafted_at.get(rid, now)
-                f = p + (own - p) * math.exp(decay * age) if age else own
-            total += f * ratio
+            total += drawn_back(forecast.get(rid), p, now - drafted_at.get(rid, now), half_life) * ratio
         return total
 
     def _aged(self, request_id: str, prior: float) -> float:
@@ -287,13 +295,8 @@ class DraftGate:
         low by a hard stretch would otherwise stand until the next exploration, while one left
         high is refreshed at every step it drafts. Without that pull, stale forecasts are
         biased low and the gate keeps plain steps where drafting would pay."""
-        own = self._forecast.get(request_id)
-        if own is None:
-            return prior
-        if math.isnan(prior):
-            return own
         age = self._steps - self._drafted_at.get(request_id, self._steps)
-        return prior + (own - prior) * 0.5 ** (age / self.forecast_half_life)
+        return drawn_back(self._forecast.get(request_id), prior, age, self.forecast_half_life)
 
     def realised_ratio(self, regime: float, num_requests: int | None = None) -> float:
         """Tokens kept / tokens expected by the plans, over recent drafting steps of requests of

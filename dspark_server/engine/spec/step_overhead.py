@@ -28,16 +28,15 @@ class StepOverhead:
         post = step_s - forward_s - draft_s
         if not math.isfinite(post) or post < 0:
             return
-        self._update(self._post, num_requests, post)
+        self._update(self._post, DraftGate.bucket_of(num_requests), post)
 
     def record_outside(self, num_requests: int, seconds: float) -> None:
         """The engine loop's time between a drafting step of ``num_requests`` and the next step."""
         if math.isfinite(seconds) and seconds >= 0:
             key = DraftGate.bucket_of(num_requests)
-            self._update(self._outside, num_requests, clip_outlier(seconds, self._outside.get(key)))
+            self._update(self._outside, key, clip_outlier(seconds, self._outside.get(key)))
 
-    def _update(self, means: dict[int, float], num_requests: int, x: float) -> None:
-        key = DraftGate.bucket_of(num_requests)
+    def _update(self, means: dict[int, float], key: int, x: float) -> None:
         old = means.get(key)
         means[key] = x if old is None else (1 - self.smoothing) * old + self.smoothing * x
 
