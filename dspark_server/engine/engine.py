@@ -31,6 +31,7 @@ from dspark_server.engine.sampling import SamplingTensors, sample_from_logits
 from dspark_server.engine.scheduler import Scheduler, SchedulerOutput
 from dspark_server.engine.spec import SpecStepResult, SpeculativeDecoder, build_speculative
 from dspark_server.engine.stats import EngineStats
+from dspark_server.models.row_ops import take_rows
 from dspark_server.models.tokenizer import Tokenizer
 
 log = logging.getLogger(__name__)
@@ -197,7 +198,7 @@ class LLMEngine:
         kept = [self.commit(d.request, d.tokens, d.spec_round) for d in result.decodes]
         completing = [c.request for c in sched.prefills if c.completes]
         rows = torch.tensor(result.plain_rows + result.prefill_rows, dtype=torch.long)
-        self._sample_next(result.plain + completing, result.forward.output.logits[rows])
+        self._sample_next(result.plain + completing, take_rows(result.forward.output.logits, rows))
         ended = time.perf_counter()
         seconds = ended - t0
         self._decode_step_end = (len(sched.decodes), not plain, ended)

@@ -16,6 +16,8 @@ from dataclasses import dataclass
 
 import torch
 
+from dspark_server.models.row_ops import row_argmax
+
 
 @dataclass(frozen=True)
 class NoiseKey:
@@ -46,4 +48,4 @@ def keyed_argmax(probs: torch.Tensor, key: NoiseKey) -> torch.Tensor:
     """Gumbel-max draws from probs [n, V] at positions key.position .. +n-1: each row is an exact
     sample of its distribution, and the same key always gives the same token."""
     noise = torch.stack([keyed_gumbel(key.shifted(k), probs.shape[-1]) for k in range(probs.shape[0])])
-    return (probs.log() + noise).argmax(dim=-1)
+    return row_argmax(probs.log() + noise)

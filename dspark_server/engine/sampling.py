@@ -21,6 +21,7 @@ import torch
 from dspark_server.engine.noise import NoiseKey, keyed_argmax
 from dspark_server.engine.request import GREEDY_BELOW, SamplingParams
 from dspark_server.models.kernel_library import load_library
+from dspark_server.models.row_ops import row_argmax
 
 
 @dataclass(frozen=True)
@@ -76,7 +77,7 @@ def shape_probs(logits: torch.Tensor, s: SamplingTensors) -> torch.Tensor:
     if greedy.any():
         g_logits = logits[greedy]
         onehot = torch.zeros_like(g_logits)
-        onehot.scatter_(1, g_logits.argmax(dim=-1, keepdim=True), 1.0)
+        onehot.scatter_(1, row_argmax(g_logits)[:, None], 1.0)
         out[greedy] = onehot
     rest = ~greedy
     if rest.any():
@@ -179,7 +180,7 @@ def sample_from_logits(
     keys: Sequence[NoiseKey | None] | None = None,
 ) -> torch.Tensor:
     if s.all_greedy:
-        return logits.argmax(dim=-1)
+        return row_argmax(logits)
     if not (s.any_greedy or s.any_top_k or s.any_top_p) and not any(k is not None for k in keys or ()):
         fast = _sample_temperature(logits, s.temperature, generators)
         if fast is not None:
@@ -187,5 +188,5 @@ def sample_from_logits(
     tokens = sample(shape_probs(logits, s), generators, keys)
     if s.any_greedy:
         greedy = s.greedy
-        tokens[greedy] = logits[greedy].argmax(dim=-1)
+        tokens[greedy] = row_argmax(logits[greedy])
     return tokens

@@ -42,6 +42,7 @@ from dspark_server.models.fused_forward import (
 )
 from dspark_server.models.layers import RMSNorm, RotaryEmbedding, serving_layout_
 from dspark_server.models.paged_layout import PagedLayout
+from dspark_server.models.row_ops import row_argmax
 from dspark_server.models.target import TargetModel
 
 GREEDY_BF16_ROWS = 2  # the greedy Markov kernel's per-request path; more requests run one sgemm
@@ -318,7 +319,7 @@ class DSparkDrafter(nn.Module):
         prev, out = anchor_tokens.long(), []
         for k in range(self.gamma):
             logits, state = self.step_logits(block.logits[:, k], prev, block.hidden[:, k], state)
-            prev = logits.argmax(dim=-1)
+            prev = row_argmax(logits)
             out.append(prev)
         tokens = torch.stack(out, dim=1)
         prevs = torch.cat([anchor_tokens.long()[:, None], tokens[:, :-1]], dim=1)

@@ -16,6 +16,7 @@ import torch
 from dspark_server.engine.noise import NoiseKey
 from dspark_server.engine.sampling import SamplingTensors, sample, shape_probs
 from dspark_server.models.drafter import DraftBlock, DSparkDrafter
+from dspark_server.models.row_ops import row_argmax
 
 
 @dataclass(frozen=True)
@@ -51,7 +52,7 @@ def sample_drafts(
         step_logits, state = drafter.step_logits(block.logits[:, k], prev, block.hidden[:, k], state)
         prevs.append(prev)
         if greedy:
-            prev = step_logits.argmax(dim=-1)
+            prev = row_argmax(step_logits)
         else:
             qk = shape_probs(step_logits, sampling)
             assert uniforms is not None

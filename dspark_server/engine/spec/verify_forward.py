@@ -20,6 +20,7 @@ from dspark_server.engine.sampling import SamplingTensors, sample_from_logits, s
 from dspark_server.engine.scheduler import ScheduledChunk
 from dspark_server.engine.spec.drafting import Drafts
 from dspark_server.engine.spec.verify import VerifyOutcome, verify_greedy, verify_padded
+from dspark_server.models.row_ops import row_argmax, take_rows
 
 
 @dataclass(frozen=True)
@@ -58,7 +59,7 @@ def verify_forward(
     starts = [0] + ends[:-1]
     n = len(decodes)
     if not any(lens):  # nothing to verify: the plain path's sampler, as is
-        last = logits[torch.tensor(starts[:n])]
+        last = take_rows(logits, torch.tensor(starts[:n]))
         gens, keys = [r.generator for r in decodes], [r.noise_key for r in decodes]
         outcome = VerifyOutcome([0] * n, sample_from_logits(last, sampling, gens, keys).tolist())
     else:
@@ -67,9 +68,10 @@ def verify_forward(
         index = torch.tensor(starts[:n])[:, None] + torch.arange(width)[None, :]
         index = torch.minimum(index, torch.tensor(ends[:n])[:, None] - 1)
         if sampling.all_greedy:  # accept while the draft equals the target argmax
-            outcome = verify_greedy(drafts.tokens, logits.argmax(dim=-1)[index], lens)
+            # argmax over the drafting requests' rows only (they come first in the batch)
+            outcome = verify_greedy(drafts.tokens, row_argmax(logits[: ends[n - 1]])[index], lens)
         else:
-            rows = logits[index]  # [R, L + 1, V]
+            rows = take_rows(logits, index)  # [R, L + 1, V]
             flat = shape_probs(
                 rows.reshape(-1, rows.shape[-1]), sampling.repeat_rows(torch.full((n,), width))
             )
