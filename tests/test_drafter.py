@@ -313,6 +313,43 @@ def test_greedy_block_kernel_equals_the_position_by_position_loop(head: str) -> 
     assert len(set(got.flatten().tolist())) > 5  # the test distinguishes rows and positions
 
 
+@pytest.mark.parametrize("head", ["markov", "gated"])
+def test_sampled_block_kernel_equals_the_position_by_position_loop(head: str) -> None:
+    """The one-call sampled draft gives, with the same uniforms, the tokens and distributions of
+    step_logits + shape_probs (temperature only) + inverse_cdf at every position, per-row
+    temperatures included; heads with another latent decline it (None)."""
+    from dspark_server.engine.request import SamplingParams
+    from dspark_server.engine.sampling import SamplingTensors, inverse_cdf, shape_probs
+
+    lib = load_library()
+    if lib is None:
+        pytest.skip("the C++ kernel library could not be built")
+    d = make_drafter(make_target(), head, gamma=7)
+    d.use_kernels(lib)
+    g = torch.Generator().manual_seed(6)
+    rows = 6
+    base = torch.randn(rows, 7, V, generator=g) * 3
+    anchors = torch.randint(0, V, (rows,), generator=g)
+    temps = [0.3, 0.7, 1.0, 1.0, 1.6, 0.9]
+    uniforms = torch.rand(rows, 7, generator=g)
+    got = d.sampled_tokens(base, anchors, torch.tensor(temps), uniforms)
+    if head != "markov":
+        assert got is None
+        return
+    assert got is not None
+    tokens, probs = got
+    assert tokens.shape == (rows, 7) and probs.shape == (rows, 7, V)
+    sampling = SamplingTensors.from_params([SamplingParams(temperature=t) for t in temps])
+    prev, state = anchors, d.init_head_state(torch.zeros(rows, H))
+    for k in range(7):
+        logits, state = d.step_logits(base[:, k], prev, torch.zeros(rows, H), state)
+        q = shape_probs(logits, sampling)
+        torch.testing.assert_close(probs[:, k], q, atol=1e-6, rtol=1e-4)
+        prev = inverse_cdf(q, uniforms[:, k])
+        assert torch.equal(tokens[:, k], prev), k
+    assert len(set(tokens.flatten().tolist())) > 10  # the test distinguishes rows and positions
+
+
 def test_training_gradients_reach_only_drafter() -> None:
     t = make_target()
     d = make_drafter(t, "rnn").train()

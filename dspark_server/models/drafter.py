@@ -300,6 +300,19 @@ class DSparkDrafter(nn.Module):
             return None
         return self.markov_head.greedy_block(self._kernels, base_logits, anchor_tokens)
 
+    def sampled_tokens(
+        self,
+        base_logits: torch.Tensor,
+        anchor_tokens: torch.Tensor,
+        temperature: torch.Tensor,
+        uniforms: torch.Tensor,
+    ) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """The sampled draft (tokens [R, g], q [R, g, V]) for rows shaped by temperature alone, as
+        one kernel call (the Markov head's ``sample_block``), or None where it does not apply."""
+        if self.markov_head is None or self._kernels is None:
+            return None
+        return self.markov_head.sample_block(self._kernels, base_logits, anchor_tokens, temperature, uniforms)
+
     def confidence_logits(self, hidden: torch.Tensor, prev_tokens: torch.Tensor) -> torch.Tensor | None:
         """Raw confidence logits [...] (float32) from hidden [..., H] and x_{k-1} [...]."""
         if self.confidence_head is None:

@@ -112,6 +112,46 @@ class MarkovHead(nn.Module):
             raise RuntimeError(f"greedy Markov head kernel failed with code {rc}")
         return tokens
 
+    def sample_block(
+        self,
+        lib: ctypes.CDLL | None,
+        base_logits: torch.Tensor,
+        anchors: torch.Tensor,
+        temperature: torch.Tensor,
+        uniforms: torch.Tensor,
+    ) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """x_k ~ softmax((U_k + B_k(x_{k-1})) / T) by inverse CDF with uniforms[:, k], k = 1..g, as
+        one kernel call (kernels/markov_sample.cpp): base_logits [R, g, V] float32, anchors [R],
+        temperature [R] (> 0), uniforms [R, g] -> (tokens [R, g], q [R, g, V] each token was drawn
+        from). None where the kernel does not apply (as ``greedy_block``)."""
+        w1 = self.markov_w1.weight
+        if (
+            lib is None
+            or type(self).latent is not MarkovHead.latent
+            or not hasattr(lib, "dspark_markov_sample_f32")
+        ):
+            return None
+        if not (base_logits.dtype == w1.dtype == self.markov_w2.weight.dtype == torch.float32):
+            return None
+        sgemm = blas_sgemm()
+        if sgemm is None or base_logits.dim() != 3:
+            return None
+        base = base_logits.contiguous()
+        r, g, v = base.shape
+        ids = anchors.to(torch.int64).contiguous()
+        temps = temperature.float().contiguous()
+        u = uniforms.double().contiguous()
+        tokens = torch.empty(r, g, dtype=torch.int64)
+        probs = torch.empty(r, g, v, dtype=torch.float32)
+        w1c, w2t = w1.detach().contiguous(), self._w2_transposed()
+        rc = lib.dspark_markov_sample_f32(
+            sgemm, r, g, v, self.rank, base.data_ptr(), ids.data_ptr(), w1c.data_ptr(), w2t.data_ptr(),
+            temps.data_ptr(), u.data_ptr(), tokens.data_ptr(), probs.data_ptr(), torch.get_num_threads(),
+        )  # fmt: skip
+        if rc != 0:
+            raise RuntimeError(f"sampled Markov head kernel failed with code {rc}")
+        return tokens, probs
+
     def _w2_transposed(self, packed: bool = False) -> torch.Tensor:
         """W2 [V, r] as a contiguous [r, V] copy (what the kernel streams), or that copy in
         bf16 packed for linear_bf16.cpp; rebuilt if W2 changed."""

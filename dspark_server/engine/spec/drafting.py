@@ -45,6 +45,13 @@ def sample_drafts(
             return Drafts(fast, None, drafter.confidence_logits(block.hidden[:, :gamma], before))
     # one draw per request for the whole block: x_k uses column k
     uniforms = None if greedy else torch.stack([torch.rand(gamma, generator=g) for g in generators])
+    temperature_only = not (sampling.any_greedy or sampling.any_top_k or sampling.any_top_p)
+    if uniforms is not None and temperature_only and all(key is None for key in keys):
+        sampled = drafter.sampled_tokens(block.logits[:, :gamma], anchors, sampling.temperature, uniforms)
+        if sampled is not None:
+            tokens, probs = sampled
+            before = torch.cat([anchors.long()[:, None], tokens[:, :-1]], dim=1)
+            return Drafts(tokens, probs, drafter.confidence_logits(block.hidden[:, :gamma], before))
     state = drafter.init_head_state(block.hidden[:, 0])
     prev = anchors
     tokens, probs, prevs = [], [], []
