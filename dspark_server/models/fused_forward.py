@@ -168,6 +168,7 @@ class FusedForward:
         self._held = (w, self.embed, self.final_norm, self.inv_freq, held)  # see the class doc
         self.num_layers = len(w.layers)
         self._caches: tuple[KVPool, torch.Tensor] | None = None
+        self._captures: dict[tuple[int, ...], torch.Tensor] = {}
 
     @classmethod
     def build(
@@ -245,9 +246,7 @@ class FusedForward:
         rows = logits_rows if logits_rows is not None else torch.arange(t)
         rows = rows.to(torch.int64).contiguous()
         logits = torch.empty(rows.shape[0], self.vocab)
-        capture = torch.full((self.num_layers,), -1, dtype=torch.int64)
-        for n, layer_id in enumerate(capture_layers):
-            capture[layer_id] = n
+        capture = self._capture_index(capture_layers)
         hidden = torch.empty(t, len(capture_layers) * self.hidden) if capture_layers else None
         normed = torch.empty(rows.shape[0], self.hidden) if block else None
         if slot_mapping is None and not block:
@@ -300,6 +299,18 @@ class FusedForward:
         if rc != 0:
             raise RuntimeError(f"fused decoder forward failed with code {rc}")
         return logits, hidden, normed
+
+    def _capture_index(self, capture_layers: tuple[int, ...]) -> torch.Tensor:
+        """[num_layers] int64: layer i's column block in the captured output, or -1 (built once
+        per tuple: a plain step in a speculative mode captures on every call)."""
+        index = self._captures.get(capture_layers)
+        if index is None:
+            if any(not 0 <= i < self.num_layers for i in capture_layers):
+                raise IndexError(f"capture layers {capture_layers} out of range for {self.num_layers} layers")
+            order = {layer_id: n for n, layer_id in enumerate(capture_layers)}
+            index = torch.tensor([order.get(i, -1) for i in range(self.num_layers)], dtype=torch.int64)
+            self._captures[capture_layers] = index
+        return index
 
     def _cache_addresses(self, pool: KVPool) -> torch.Tensor:
         if self._caches is None or self._caches[0] is not pool:
