@@ -318,7 +318,7 @@ def test_starting_to_draft_pays_the_switch_staying_does_not() -> None:
     # 4.5 tokens per 4 ms drafting step beat 1 per 1 ms plain step in a run of drafting steps,
     # but not from plain steps, whose switch into drafting costs 6 ms more (2 ms a step over
     # the three-step run it starts)
-    gate = DraftGate(min_samples=1, smoothing=1.0, request_smoothing=1.0, explore_run=3)
+    gate = DraftGate(min_samples=1, smoothing=1.0, request_smoothing=1.0, explore_run=3, enter_margin=1.0)
     bucket = gate._bucket(1)
     bucket.draft_seconds.update(0.004, 1.0)
     bucket.plain_seconds.update(0.001, 1.0)
@@ -332,6 +332,26 @@ def test_starting_to_draft_pays_the_switch_staying_does_not() -> None:
     bucket.switch_seconds.update(0.0009, 1.0)
     gate._last_drafted = False
     assert drafts_all(gate, ["b"]) is True
+
+
+def test_from_plain_steps_drafting_must_win_by_the_margin_once_drafting_it_need_only_win() -> None:
+    # near break-even the choice would flip on noise, and every flip into drafting pays the
+    # switch: entering needs enter_margin (1.15) over plain steps' rate, staying needs only to win
+    gate = DraftGate(min_samples=1, smoothing=1.0, request_smoothing=1.0, explore_run=3, prior_samples=0)
+    assert gate.enter_margin == 1.15
+    bucket = gate._bucket(1)
+    bucket.draft_seconds.update(0.004, 1.0)
+    bucket.plain_seconds.update(0.001, 1.0)
+    for tokens, from_plain, from_drafting in ((4.4, False, True), (4.8, True, True), (3.9, False, False)):
+        gate._forecast["b"] = tokens  # 4.4 per 4 ms: 1.1x plain; 4.8: 1.2x; 3.9: behind
+        bucket.since_plain = bucket.since_explore = 0  # (no exploration is due)
+        gate._last_drafted, gate._run_left = False, 0
+        assert drafts_all(gate, ["b"]) is from_plain, tokens
+        bucket.since_plain = bucket.since_explore = 0
+        gate._last_drafted, gate._run_left = True, 0
+        assert drafts_all(gate, ["b"]) is from_drafting, tokens
+    with pytest.raises(ValueError):
+        DraftGate(enter_margin=0.9)
 
 
 def test_plain_steps_are_explored_only_when_the_plain_step_time_is_stale() -> None:

@@ -6,9 +6,11 @@ Each variant's engine is built once (bundled demo pair unless --model / --draft)
 concurrency 1, 4, 16 and the measured one, as the earlier points of a serving sweep warm a server;
 then rounds of ``--requests`` requests (chat-formatted prompts from --prompts, 128 tokens,
 ignore_eos) run variant after variant, interleaved. Variants: ``off``, ``fixed``, ``dspark`` (the
-draft gate deciding) and ``pinned`` (dspark mode with the gate pinned to plain steps: what dspark
-mode's bookkeeping costs a plain step). Prints tokens/s per round, then each variant's median and
-its ratio to ``off``. A diagnostic of the engine alone: the serving sweep is the figure that counts.
+draft gate deciding), ``pinned`` (dspark mode with the gate pinned to plain steps: what dspark
+mode's bookkeeping costs a plain step) and ``no-margin`` (the gate entering drafting as soon as
+its forecast wins at all: ``DraftGate.enter_margin`` 1). Prints tokens/s per round, then each
+variant's median and its ratio to ``off``. A diagnostic of the engine alone: the serving sweep is
+the figure that counts.
 """
 
 from __future__ import annotations
@@ -25,22 +27,32 @@ from dspark_server.config import EngineConfig, SpeculativeConfig
 from dspark_server.engine.engine import LLMEngine
 from dspark_server.engine.request import RequestOutput, SamplingParams
 
-VARIANTS = ("off", "fixed", "dspark", "pinned")
+VARIANTS = ("off", "fixed", "dspark", "pinned", "no-margin")
 
 
 def _never(request_ids: Sequence[str], regimes: Sequence[float] | None = None) -> list[int]:
     return []
 
 
-def build(variant: str, model: str, draft: str, max_running: int) -> LLMEngine:
-    mode = "dspark" if variant == "pinned" else variant
+def build(
+    variant: str, model: str, draft: str, max_running: int, weight_dtype: str, threads: int | None
+) -> LLMEngine:
+    mode = "dspark" if variant in ("pinned", "no-margin") else variant
     spec = SpeculativeConfig(mode=mode)  # type: ignore[arg-type]
     cfg = EngineConfig(
-        model_dir=model, draft_dir=None if mode == "off" else draft, max_running=max_running, spec=spec
+        model_dir=model,
+        draft_dir=None if mode == "off" else draft,
+        max_running=max_running,
+        spec=spec,
+        weight_dtype=weight_dtype,  # type: ignore[arg-type]
+        num_threads=threads,
     )
     engine = LLMEngine(cfg)
-    if variant == "pinned" and engine.spec is not None and engine.spec.gate is not None:
-        engine.spec.gate.choose = _never  # type: ignore[method-assign]
+    gate = engine.spec.gate if engine.spec is not None else None
+    if variant == "pinned" and gate is not None:
+        gate.choose = _never  # type: ignore[method-assign]
+    if variant == "no-margin" and gate is not None:
+        gate.enter_margin = 1.0
     return engine
 
 
@@ -85,12 +97,16 @@ def main(argv: list[str] | None = None) -> int:
     )
     p.add_argument("--model", default=str(DEMO_TARGET))
     p.add_argument("--draft", default=str(DEMO_DRAFT))
+    p.add_argument("--weight-dtype", default="auto", choices=["auto", "float32", "bfloat16"])
+    p.add_argument("--threads", type=int, default=None, help="engine threads (default: every CPU)")
     a = p.parse_args(argv)
     prompts = []
     for line in Path(a.prompts).read_text().splitlines():
         row = json.loads(line)
         prompts.append(row["turns"][0] if "turns" in row else row["prompt"])
-    engines = {v: build(v, a.model, a.draft, max(64, a.concurrency)) for v in a.variants}
+    engines = {
+        v: build(v, a.model, a.draft, max(64, a.concurrency), a.weight_dtype, a.threads) for v in a.variants
+    }
     for engine in engines.values():
         for c in sorted({1, 4, 16, a.concurrency}):
             drive(engine, prompts, c, a.temperature, max(c, 8), f"warm{c}")

@@ -33,6 +33,13 @@ of drafting winning, (forecast rate / (``near_ratio`` x plain rate))² at most 1
 (``exploration_odds``): at high load on a CPU drafting loses by a factor of five or more, and a
 flat budget spent a few per cent of the time re-learning that.
 
+From plain steps, drafting is entered only when its forecast beats plain steps' rate by
+``enter_margin`` (1.15); once drafting, it stays while it wins at all. Near break-even the
+estimates' noise flips the choice back and forth, and every flip into drafting pays the switch
+(the put-off context writes and a cold step): 64 greedy requests in-process, where the forecast
+put drafting about 10% ahead, ran 0.91x plain decoding's throughput without the margin and
+0.98x with it (three rounds each, /tmp-free command in docs/benchmarks.md).
+
 A request's own average starts from the prior weighed as one drafting step (its first steps
 outweigh it: 1/2, 1/3, 1/4 ...), then moves by ``request_smoothing`` (0.2) of each drafting
 step's tokens:
@@ -192,6 +199,7 @@ class DraftGate:
         prior_samples: int = 20,
         forecast_half_life: float = 16.0,
         explore_run: int = 3,
+        enter_margin: float = 1.15,
     ) -> None:
         if explore_every < 2 or max_explore_interval < explore_every:
             raise ValueError("explore_every must be >= 2 and <= max_explore_interval")
@@ -203,6 +211,8 @@ class DraftGate:
             raise ValueError("explore_fraction and near_ratio must be in (0, 1]")
         if explore_run < 1:
             raise ValueError("explore_run must be >= 1")
+        if not enter_margin >= 1.0:
+            raise ValueError("enter_margin must be >= 1")
         self.explore_every = explore_every
         self.max_explore_interval = max_explore_interval
         self.smoothing = smoothing
@@ -215,6 +225,7 @@ class DraftGate:
         self.prior_samples = prior_samples
         self.forecast_half_life = forecast_half_life
         self.explore_run = explore_run
+        self.enter_margin = enter_margin
         self._steps = 0
         # whether the last two choices drafted for every request (None: not asked): a drafting
         # step is warm when the choice before it drafted too
@@ -390,7 +401,10 @@ class DraftGate:
         plain_rate = n / plain_s
         # from plain steps, drafting also pays the switch once, over the run it starts
         entry_rate = draft_rate if self._last_drafted else tokens / (draft_s + switch / self.explore_run)
-        if entry_rate >= plain_rate:  # exploring a plain step also pays the switch back
+        # from plain steps, drafting must win by enter_margin: near break-even, the choice flips
+        # on noise and each flip pays the switch
+        bar = plain_rate if self._last_drafted else plain_rate * self.enter_margin
+        if entry_rate >= bar:  # exploring a plain step also pays the switch back
             # it only refreshes the load's plain step time (a plain step emits one token for
             # any request): due when no plain step measured it for the interval
             lost = plain_s * (1.0 - plain_rate / draft_rate) + switch

@@ -49,9 +49,9 @@ def sample_drafts(
     if uniforms is not None and temperature_only and all(key is None for key in keys):
         sampled = drafter.sampled_tokens(block.logits[:, :gamma], anchors, sampling.temperature, uniforms)
         if sampled is not None:
-            tokens, probs = sampled
-            before = torch.cat([anchors.long()[:, None], tokens[:, :-1]], dim=1)
-            return Drafts(tokens, probs, drafter.confidence_logits(block.hidden[:, :gamma], before))
+            drawn, q = sampled
+            before = torch.cat([anchors.long()[:, None], drawn[:, :-1]], dim=1)
+            return Drafts(drawn, q, drafter.confidence_logits(block.hidden[:, :gamma], before))
     state = drafter.init_head_state(block.hidden[:, 0])
     prev = anchors
     tokens, probs, prevs = [], [], []
