@@ -36,9 +36,11 @@ flat budget spent a few per cent of the time re-learning that.
 From plain steps, drafting is entered only when its forecast beats plain steps' rate by
 ``enter_margin`` (1.15); once drafting, it stays while it wins at all. Near break-even the
 estimates' noise flips the choice back and forth, and every flip into drafting pays the switch
-(the put-off context writes and a cold step): 64 greedy requests in-process, where the forecast
-put drafting about 10% ahead, ran 0.91x plain decoding's throughput without the margin and
-0.98x with it (three rounds each, /tmp-free command in docs/benchmarks.md).
+(the put-off context writes and a cold step). At 64 greedy requests in-process, where the
+forecast put drafting about 10% ahead, the margin took dspark mode from 0.92x to 1.01x plain
+decoding's throughput (medians of three interleaved rounds: ``python -m tools.churn_ab
+--concurrency 64 --requests 128 --variants off dspark no-margin --prompts
+../shared/prompts/humaneval.jsonl --threads 1``).
 
 A request's own average starts from the prior weighed as one drafting step (its first steps
 outweigh it: 1/2, 1/3, 1/4 ...), then moves by ``request_smoothing`` (0.2) of each drafting
