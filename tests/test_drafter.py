@@ -288,15 +288,21 @@ def test_greedy_draft_follows_markov_corrected_argmax() -> None:
         prev = expect
 
 
-@pytest.mark.parametrize("head", ["markov", "gated"])
-def test_greedy_block_kernel_equals_the_position_by_position_loop(head: str) -> None:
-    """The one-call greedy draft gives the tokens of step_logits + argmax at every position, for
-    every request of the block (vanilla head); heads with another latent decline it (None)."""
+def _kernel_drafter(head: str) -> DSparkDrafter:
+    """A γ = 7 drafter with the given head, serving through the C++ kernels (skips without them)."""
     lib = load_library()
     if lib is None:
         pytest.skip("the C++ kernel library could not be built")
     d = make_drafter(make_target(), head, gamma=7)
     d.use_kernels(lib)
+    return d
+
+
+@pytest.mark.parametrize("head", ["markov", "gated"])
+def test_greedy_block_kernel_equals_the_position_by_position_loop(head: str) -> None:
+    """The one-call greedy draft gives the tokens of step_logits + argmax at every position, for
+    every request of the block (vanilla head); heads with another latent decline it (None)."""
+    d = _kernel_drafter(head)
     g = torch.Generator().manual_seed(5)
     base = torch.randn(6, 7, V, generator=g) * 3
     anchors = torch.randint(0, V, (6,), generator=g)
@@ -321,11 +327,7 @@ def test_sampled_block_kernel_equals_the_position_by_position_loop(head: str) ->
     from dspark_server.engine.request import SamplingParams
     from dspark_server.engine.sampling import SamplingTensors, inverse_cdf, shape_probs
 
-    lib = load_library()
-    if lib is None:
-        pytest.skip("the C++ kernel library could not be built")
-    d = make_drafter(make_target(), head, gamma=7)
-    d.use_kernels(lib)
+    d = _kernel_drafter(head)
     g = torch.Generator().manual_seed(6)
     rows = 6
     base = torch.randn(rows, 7, V, generator=g) * 3

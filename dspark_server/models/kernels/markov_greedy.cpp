@@ -10,9 +10,9 @@
 
 #include "gemm.h"  // dspark_linear_bf16
 
+#include "markov.h"
+
 namespace {
-using Sgemm = void (*)(const char*, const char*, const int*, const int*, const int*, const float*, const float*,
-                       const int*, const float*, const int*, const float*, float*, const int*);
 
 constexpr int64_t kDirectRows = 2;  // up to this many requests: one pass over W2^T per request
 
@@ -74,23 +74,16 @@ int dspark_markov_greedy_bf16w(int64_t rows, int64_t g, int64_t vocab, int64_t r
 int dspark_markov_greedy_f32(void* sgemm_fn, int64_t rows, int64_t g, int64_t vocab, int64_t rank, const float* base,
                              const int64_t* anchors, const float* w1, const float* w2t, int64_t* tokens,
                              int nthreads) {
-  Sgemm sgemm = reinterpret_cast<Sgemm>(sgemm_fn);
+  dspark::Sgemm sgemm = reinterpret_cast<dspark::Sgemm>(sgemm_fn);
   if (!sgemm || rows <= 0 || g <= 0 || vocab <= 0 || rank <= 0) return 1;
   for (int64_t i = 0; i < rows; ++i)
     if (anchors[i] < 0 || anchors[i] >= vocab) return 1;
-  float* z = static_cast<float*>(malloc(sizeof(float) * rows * (rank + vocab)));
-  int64_t* prev = static_cast<int64_t*>(malloc(sizeof(int64_t) * rows));
-  if (!z || !prev) {
-    free(z);
-    free(prev);
-    return 1;
-  }
-  float* logits = z + rows * rank;
-  for (int64_t i = 0; i < rows; ++i) prev[i] = anchors[i];
-  const int vi = static_cast<int>(vocab), ri = static_cast<int>(rows), ki = static_cast<int>(rank);
-  const float one = 1.f;
+  dspark::MarkovBlock block(rows, g, vocab, rank, base, w1, w2t);
+  if (!block.start(anchors)) return 1;
+  float *z = block.z, *logits = block.logits;
+  int64_t* prev = block.prev;
   for (int64_t k = 0; k < g; ++k) {
-    for (int64_t i = 0; i < rows; ++i) memcpy(z + i * rank, w1 + prev[i] * rank, sizeof(float) * rank);
+    block.embed_prev();
     if (rows <= kDirectRows) {
       // few requests: each thread takes a slice of the vocabulary of every request
       for (int64_t i = 0; i < rows; ++i) {
@@ -113,9 +106,7 @@ int dspark_markov_greedy_f32(void* sgemm_fn, int64_t rows, int64_t g, int64_t vo
       }
       continue;
     }
-    for (int64_t i = 0; i < rows; ++i) memcpy(logits + i * vocab, base + (i * g + k) * vocab, sizeof(float) * vocab);
-    // logits^T (V x R, column-major) += W2 (V x r: w2t read as column-major) . z^T (r x R)
-    sgemm("N", "N", &vi, &ri, &ki, &one, w2t, &vi, z, &ki, &one, logits, &vi);
+    block.corrected_logits(sgemm, k);
 #pragma omp parallel for num_threads(nthreads) if (rows * vocab >= (1 << 16))
     for (int64_t i = 0; i < rows; ++i) {
       float m;
@@ -123,8 +114,6 @@ int dspark_markov_greedy_f32(void* sgemm_fn, int64_t rows, int64_t g, int64_t vo
       tokens[i * g + k] = prev[i];
     }
   }
-  free(z);
-  free(prev);
   return 0;
 }
 }

@@ -15,9 +15,9 @@
 extern "C" __m512 _ZGVeN16v_expf(__m512);  // glibc libmvec's 16-lane expf
 #endif
 
+#include "markov.h"
+
 namespace {
-using Sgemm = void (*)(const char*, const char*, const int*, const int*, const int*, const float*, const float*,
-                       const int*, const float*, const int*, const float*, float*, const int*);
 
 // q = softmax(x / t) over [0, vocab); returns the first index whose cumulative q (in double)
 // exceeds u * sum(q), else the last index with q > 0 (rounding left u * sum at the end).
@@ -72,39 +72,25 @@ int dspark_markov_sample_f32(void* sgemm_fn, int64_t rows, int64_t g, int64_t vo
                              const float* base, const int64_t* anchors, const float* w1, const float* w2t,
                              const float* temps, const double* uniforms, int64_t* tokens, float* probs,
                              int nthreads) {
-  Sgemm sgemm = reinterpret_cast<Sgemm>(sgemm_fn);
+  dspark::Sgemm sgemm = reinterpret_cast<dspark::Sgemm>(sgemm_fn);
   if (!sgemm || rows <= 0 || g <= 0 || vocab <= 0 || rank <= 0) return 1;
   for (int64_t i = 0; i < rows; ++i) {
     if (anchors[i] < 0 || anchors[i] >= vocab || !(temps[i] > 0.f)) return 1;
     for (int64_t k = 0; k < g; ++k)
       if (!(uniforms[i * g + k] >= 0.0 && uniforms[i * g + k] < 1.0)) return 1;
   }
-  float* z = static_cast<float*>(malloc(sizeof(float) * rows * (rank + vocab)));
-  int64_t* prev = static_cast<int64_t*>(malloc(sizeof(int64_t) * rows));
-  if (!z || !prev) {
-    free(z);
-    free(prev);
-    return 1;
-  }
-  float* logits = z + rows * rank;
-  for (int64_t i = 0; i < rows; ++i) prev[i] = anchors[i];
-  const int vi = static_cast<int>(vocab), ri = static_cast<int>(rows), ki = static_cast<int>(rank);
-  const float one = 1.f;
+  dspark::MarkovBlock block(rows, g, vocab, rank, base, w1, w2t);
+  if (!block.start(anchors)) return 1;
   for (int64_t k = 0; k < g; ++k) {
-    for (int64_t i = 0; i < rows; ++i) {
-      memcpy(z + i * rank, w1 + prev[i] * rank, sizeof(float) * rank);
-      memcpy(logits + i * vocab, base + (i * g + k) * vocab, sizeof(float) * vocab);
-    }
-    // logits^T (V x R, column-major) += W2 (V x r: w2t read as column-major) . z^T (r x R)
-    sgemm("N", "N", &vi, &ri, &ki, &one, w2t, &vi, z, &ki, &one, logits, &vi);
+    block.embed_prev();
+    block.corrected_logits(sgemm, k);
 #pragma omp parallel for num_threads(nthreads) if (nthreads > 1 && rows > 1)
     for (int64_t i = 0; i < rows; ++i) {
-      prev[i] = softmax_draw(logits + i * vocab, vocab, temps[i], uniforms[i * g + k], probs + (i * g + k) * vocab);
-      tokens[i * g + k] = prev[i];
+      const int64_t at = (i * g + k) * vocab;
+      block.prev[i] = softmax_draw(block.logits + i * vocab, vocab, temps[i], uniforms[i * g + k], probs + at);
+      tokens[i * g + k] = block.prev[i];
     }
   }
-  free(z);
-  free(prev);
   return 0;
 }
 }

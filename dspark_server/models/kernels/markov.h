@@ -1,0 +1,58 @@
+// The vanilla Markov head's left-to-right block draft state, shared by markov_greedy.cpp and
+// markov_sample.cpp: per request the previous token x_{k-1} (from the anchors), z = W1[x_{k-1}]
+// and position k's corrected logits U_k + W2 . z (one sgemm over every request, through the BLAS
+// PyTorch's addmm runs, whose address the caller passes).
+#pragma once
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "gemm.h"
+
+namespace dspark {
+
+struct MarkovBlock {
+  int64_t rows, g, vocab, rank;
+  const float* base;  // [rows, g, vocab] U_k per position
+  const float* w1;    // [vocab, rank] row-major
+  const float* w2t;   // [rank, vocab] W2 transposed, contiguous
+  float* z = nullptr;       // [rows, rank]
+  float* logits = nullptr;  // [rows, vocab]
+  int64_t* prev = nullptr;  // [rows]
+
+  MarkovBlock(int64_t rows_, int64_t g_, int64_t vocab_, int64_t rank_, const float* base_, const float* w1_,
+              const float* w2t_)
+      : rows(rows_), g(g_), vocab(vocab_), rank(rank_), base(base_), w1(w1_), w2t(w2t_) {}
+  MarkovBlock(const MarkovBlock&) = delete;
+  MarkovBlock& operator=(const MarkovBlock&) = delete;
+  ~MarkovBlock() {
+    free(z);
+    free(prev);
+  }
+
+  // Buffers allocated and x_0 = the anchors; false when out of memory.
+  bool start(const int64_t* anchors) {
+    z = static_cast<float*>(malloc(sizeof(float) * rows * (rank + vocab)));
+    prev = static_cast<int64_t*>(malloc(sizeof(int64_t) * rows));
+    if (!z || !prev) return false;
+    logits = z + rows * rank;
+    for (int64_t i = 0; i < rows; ++i) prev[i] = anchors[i];
+    return true;
+  }
+
+  // z = W1[x_{k-1}] for every request.
+  void embed_prev() {
+    for (int64_t i = 0; i < rows; ++i) memcpy(z + i * rank, w1 + prev[i] * rank, sizeof(float) * rank);
+  }
+
+  // logits = U_k + W2 . z for every request (after embed_prev).
+  void corrected_logits(Sgemm sgemm, int64_t k) {
+    for (int64_t i = 0; i < rows; ++i) memcpy(logits + i * vocab, base + (i * g + k) * vocab, sizeof(float) * vocab);
+    const int vi = static_cast<int>(vocab), ri = static_cast<int>(rows), ki = static_cast<int>(rank);
+    const float one = 1.f;
+    // logits^T (V x R, column-major) += W2 (V x r: w2t read as column-major) . z^T (r x R)
+    sgemm("N", "N", &vi, &ri, &ki, &one, w2t, &vi, z, &ki, &one, logits, &vi);
+  }
+};
+
+}  // namespace dspark
