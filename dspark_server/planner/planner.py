@@ -44,6 +44,18 @@ class PlannerConfig:
 
 
 @dataclass(frozen=True)
+class _PlanInputs:
+    """What every planner plans from: position-major survival ``surv`` [gamma, R], the stale
+    survival a budget planner sizes its budget from (``history``), a cap on admitted drafts
+    and the step's other batch tokens (prefill chunks, plain decodes)."""
+
+    surv: np.ndarray
+    history: np.ndarray | None
+    max_draft_tokens: int | None
+    extra_batch_tokens: int
+
+
+@dataclass(frozen=True)
 class PlanResult:
     """A plan and its model quantities (for metrics)."""
 
@@ -204,7 +216,7 @@ class VerifyPlanner(ABC):
         """``plan`` with the plan's model quantities."""
         surv = _position_major_survival(confidences, self._config.gamma)
         history = None if budget_confidences is None else _position_major_survival(budget_confidences)
-        return self._plan_pm(surv, history, max_draft_tokens, extra_batch_tokens)
+        return self._plan_pm(_PlanInputs(surv, history, max_draft_tokens, extra_batch_tokens))
 
     def plan_survival(
         self, survival: np.ndarray, *, max_draft_tokens: int | None = None, extra_batch_tokens: int = 0
@@ -213,18 +225,11 @@ class VerifyPlanner(ABC):
         its calibration yields survival, and a round trip through confidences costs more than
         the plan at one request)."""
         surv = survival_position_major(survival, self._config.gamma)
-        return self._plan_pm(surv, None, max_draft_tokens, extra_batch_tokens)
+        return self._plan_pm(_PlanInputs(surv, None, max_draft_tokens, extra_batch_tokens))
 
     @abstractmethod
-    def _plan_pm(
-        self,
-        surv: np.ndarray,
-        history: np.ndarray | None,
-        max_draft_tokens: int | None,
-        extra_batch_tokens: int,
-    ) -> PlanResult:
-        """The plan from position-major survival ``surv`` [gamma, R] (``history``: the stale
-        survival a budget planner sizes its budget from)."""
+    def _plan_pm(self, q: _PlanInputs) -> PlanResult:
+        """The plan from ``q``'s position-major survival."""
 
     def _result(self, surv_pm: np.ndarray, lens: np.ndarray, budget: int | None = None) -> PlanResult:
         lens = lens.astype(np.int64, copy=False)
@@ -235,41 +240,24 @@ class VerifyPlanner(ABC):
 class OffPlanner(VerifyPlanner):
     """No speculation: only the anchor is verified."""
 
-    def _plan_pm(
-        self,
-        surv: np.ndarray,
-        history: np.ndarray | None,
-        max_draft_tokens: int | None,
-        extra_batch_tokens: int,
-    ) -> PlanResult:
-        return self._result(surv, np.zeros(surv.shape[1], dtype=np.int64))
+    def _plan_pm(self, q: _PlanInputs) -> PlanResult:
+        return self._result(q.surv, np.zeros(q.surv.shape[1], dtype=np.int64))
 
 
 class FixedPlanner(VerifyPlanner):
     """Verify every draft (l_r = gamma)."""
 
-    def _plan_pm(
-        self,
-        surv: np.ndarray,
-        history: np.ndarray | None,
-        max_draft_tokens: int | None,
-        extra_batch_tokens: int,
-    ) -> PlanResult:
-        lens = np.full(surv.shape[1], self._config.gamma, dtype=np.int64)
-        return self._result(surv, cap_lengths(lens, max_draft_tokens))
+    def _plan_pm(self, q: _PlanInputs) -> PlanResult:
+        lens = np.full(q.surv.shape[1], self._config.gamma, dtype=np.int64)
+        return self._result(q.surv, cap_lengths(lens, q.max_draft_tokens))
 
 
 class ThresholdPlanner(VerifyPlanner):
     """l_r = largest j with a(r, j) >= threshold (0 if none)."""
 
-    def _plan_pm(
-        self,
-        surv: np.ndarray,
-        history: np.ndarray | None,
-        max_draft_tokens: int | None,
-        extra_batch_tokens: int,
-    ) -> PlanResult:
-        return self._result(surv, cap_lengths((surv >= self._config.threshold).sum(axis=0), max_draft_tokens))
+    def _plan_pm(self, q: _PlanInputs) -> PlanResult:
+        admitted = (q.surv >= self._config.threshold).sum(axis=0)
+        return self._result(q.surv, cap_lengths(admitted, q.max_draft_tokens))
 
 
 def _require_table(planner: VerifyPlanner) -> SpsCostTable:
@@ -287,14 +275,9 @@ class DSparkPlanner(VerifyPlanner):
     does not. So the admitted count is the length of the leading run of strict improvements.
     """
 
-    def _plan_pm(
-        self,
-        surv: np.ndarray,
-        history: np.ndarray | None,
-        max_draft_tokens: int | None,
-        extra_batch_tokens: int,
-    ) -> PlanResult:
+    def _plan_pm(self, q: _PlanInputs) -> PlanResult:
         table = _require_table(self)
+        surv, max_draft_tokens = q.surv, q.max_draft_tokens
         num_requests = surv.shape[1]
         if num_requests == 0:
             return PlanResult(torch.zeros(0, dtype=torch.int64), 0, 0.0, 0.0)
@@ -303,7 +286,7 @@ class DSparkPlanner(VerifyPlanner):
         tau[0] = 0.0
         np.cumsum(values, out=tau[1:])
         tau += num_requests
-        start = num_requests + max(0, int(extra_batch_tokens))
+        start = num_requests + max(0, int(q.extra_batch_tokens))
         theta = tau * steps_per_sec(table, start, tau.size, self._step_overhead_s)
         declines = np.flatnonzero(theta[1:] <= theta[:-1])
         admitted = int(declines[0]) if declines.size else values.size
@@ -400,21 +383,16 @@ class DSparkBudgetPlanner(VerifyPlanner):
     it is not lossless. Offline analysis may pass the current confidences explicitly.
     """
 
-    def _plan_pm(
-        self,
-        surv: np.ndarray,
-        history: np.ndarray | None,
-        max_draft_tokens: int | None,
-        extra_batch_tokens: int,
-    ) -> PlanResult:
+    def _plan_pm(self, q: _PlanInputs) -> PlanResult:
         table = _require_table(self)
+        surv, history = q.surv, q.history
         if history is None:
             raise ValueError("dspark_budget needs budget_confidences (stale, from earlier rounds)")
         if history.shape[1] != surv.shape[1]:
             raise ValueError(f"budget_confidences has {history.shape[1]} rows, confidences {surv.shape[1]}")
         budget, _ = _budget_from_pm(history, table, self._config.survival_eps, self._step_overhead_s)
-        if max_draft_tokens is not None:
-            budget = min(budget, max(0, int(max_draft_tokens)))
+        if q.max_draft_tokens is not None:
+            budget = min(budget, max(0, int(q.max_draft_tokens)))
         lens = _allocate_from_pm(surv, budget, self._config.survival_eps)
         return self._result(surv, lens, budget)
 
