@@ -16,6 +16,7 @@ through the rank-r bottleneck; nothing here materialises a V x V matrix.
 from __future__ import annotations
 
 import ctypes
+from typing import NamedTuple
 
 import torch
 from torch import nn
@@ -23,6 +24,16 @@ from torch import nn
 from dspark_server.models import bf16_weights
 from dspark_server.models.drafter_config import DraftConfig
 from dspark_server.models.kernel_library import blas_sgemm
+
+
+class _BlockArgs(NamedTuple):
+    """What the Markov block kernels read: the BLAS sgemm's address, contiguous base logits
+    [R, g, V], int64 anchors [R] and W1 [V, r]."""
+
+    sgemm: int
+    base: torch.Tensor
+    anchors: torch.Tensor
+    w1: torch.Tensor
 
 
 class MarkovHead(nn.Module):
@@ -77,37 +88,43 @@ class MarkovHead(nn.Module):
             return torch.addmm(base_logits, z, w2.t()), state
         return base_logits + self.markov_w2(z).to(base_logits.dtype), state
 
+    def _block_kernel(
+        self, lib: ctypes.CDLL | None, symbol: str, base_logits: torch.Tensor, anchors: torch.Tensor
+    ) -> _BlockArgs | None:
+        """The inputs both block kernels take, or None where ``symbol`` does not apply (no library
+        or BLAS, a head with a latent other than W1[x], not float32 [R, g, V] base logits)."""
+        w1 = self.markov_w1.weight
+        if lib is None or type(self).latent is not MarkovHead.latent or not hasattr(lib, symbol):
+            return None
+        if not (base_logits.dtype == w1.dtype == self.markov_w2.weight.dtype == torch.float32):
+            return None
+        sgemm = blas_sgemm()
+        if sgemm is None or base_logits.dim() != 3:
+            return None
+        return _BlockArgs(
+            sgemm, base_logits.contiguous(), anchors.to(torch.int64).contiguous(), w1.detach().contiguous()
+        )
+
     def greedy_block(
         self, lib: ctypes.CDLL | None, base_logits: torch.Tensor, anchors: torch.Tensor
     ) -> torch.Tensor | None:
         """x_k = argmax(U_k + B_k(x_{k-1})) for k = 1..g as one kernel call (kernels/markov_greedy.cpp):
         base_logits [R, g, V] float32, anchors [R] -> tokens [R, g]. None where the kernel does not
-        apply (no library or BLAS, a head with a latent other than W1[x], not float32)."""
-        w1, w2 = self.markov_w1.weight, self.markov_w2.weight
-        if (
-            lib is None
-            or type(self).latent is not MarkovHead.latent
-            or not hasattr(lib, "dspark_markov_greedy_f32")
-        ):
+        apply (``_block_kernel``)."""
+        k = self._block_kernel(lib, "dspark_markov_greedy_f32", base_logits, anchors)
+        if k is None:
             return None
-        if not (base_logits.dtype == w1.dtype == w2.dtype == torch.float32) or base_logits.dim() != 3:
-            return None
-        sgemm = blas_sgemm()
-        if sgemm is None:
-            return None
-        base = base_logits.contiguous()
-        ids = anchors.to(torch.int64).contiguous()
-        r, g, v = base.shape
+        assert lib is not None
+        r, g, v = k.base.shape
         tokens = torch.empty(r, g, dtype=torch.int64)
-        w1c = w1.detach().contiguous()
-        args = (r, g, v, self.rank, base.data_ptr(), ids.data_ptr(), w1c.data_ptr())
+        args = (r, g, v, self.rank, k.base.data_ptr(), k.anchors.data_ptr(), k.w1.data_ptr())
         threads = torch.get_num_threads()
         if r <= self.bf16_rows:
             w2b = self._w2_transposed(packed=True)
             rc = lib.dspark_markov_greedy_bf16w(*args, w2b.data_ptr(), tokens.data_ptr(), threads)
         else:
             w2t = self._w2_transposed()
-            rc = lib.dspark_markov_greedy_f32(sgemm, *args, w2t.data_ptr(), tokens.data_ptr(), threads)
+            rc = lib.dspark_markov_greedy_f32(k.sgemm, *args, w2t.data_ptr(), tokens.data_ptr(), threads)
         if rc != 0:
             raise RuntimeError(f"greedy Markov head kernel failed with code {rc}")
         return tokens
@@ -123,31 +140,20 @@ class MarkovHead(nn.Module):
         """x_k ~ softmax((U_k + B_k(x_{k-1})) / T) by inverse CDF with uniforms[:, k], k = 1..g, as
         one kernel call (kernels/markov_sample.cpp): base_logits [R, g, V] float32, anchors [R],
         temperature [R] (> 0), uniforms [R, g] -> (tokens [R, g], q [R, g, V] each token was drawn
-        from). None where the kernel does not apply (as ``greedy_block``)."""
-        w1 = self.markov_w1.weight
-        if (
-            lib is None
-            or type(self).latent is not MarkovHead.latent
-            or not hasattr(lib, "dspark_markov_sample_f32")
-        ):
+        from). None where the kernel does not apply (``_block_kernel``)."""
+        k = self._block_kernel(lib, "dspark_markov_sample_f32", base_logits, anchors)
+        if k is None:
             return None
-        if not (base_logits.dtype == w1.dtype == self.markov_w2.weight.dtype == torch.float32):
-            return None
-        sgemm = blas_sgemm()
-        if sgemm is None or base_logits.dim() != 3:
-            return None
-        base = base_logits.contiguous()
-        r, g, v = base.shape
-        ids = anchors.to(torch.int64).contiguous()
+        assert lib is not None
+        r, g, v = k.base.shape
         temps = temperature.float().contiguous()
         u = uniforms.double().contiguous()
         tokens = torch.empty(r, g, dtype=torch.int64)
         probs = torch.empty(r, g, v, dtype=torch.float32)
-        w1c, w2t = w1.detach().contiguous(), self._w2_transposed()
-        rc = lib.dspark_markov_sample_f32(
-            sgemm, r, g, v, self.rank, base.data_ptr(), ids.data_ptr(), w1c.data_ptr(), w2t.data_ptr(),
-            temps.data_ptr(), u.data_ptr(), tokens.data_ptr(), probs.data_ptr(), torch.get_num_threads(),
-        )  # fmt: skip
+        w2t = self._w2_transposed()
+        args = (r, g, v, self.rank, k.base.data_ptr(), k.anchors.data_ptr(), k.w1.data_ptr(), w2t.data_ptr())
+        outs = (temps.data_ptr(), u.data_ptr(), tokens.data_ptr(), probs.data_ptr())
+        rc = lib.dspark_markov_sample_f32(k.sgemm, *args, *outs, torch.get_num_threads())
         if rc != 0:
             raise RuntimeError(f"sampled Markov head kernel failed with code {rc}")
         return tokens, probs

@@ -41,17 +41,14 @@ def sample_drafts(
     if greedy:
         fast = drafter.greedy_tokens(block.logits[:, :gamma], anchors)
         if fast is not None:
-            before = torch.cat([anchors.long()[:, None], fast[:, :-1]], dim=1)  # x_{k-1}
-            return Drafts(fast, None, drafter.confidence_logits(block.hidden[:, :gamma], before))
+            return _from_kernel(drafter, block, anchors, fast, None)
     # one draw per request for the whole block: x_k uses column k
     uniforms = None if greedy else torch.stack([torch.rand(gamma, generator=g) for g in generators])
     temperature_only = not (sampling.any_greedy or sampling.any_top_k or sampling.any_top_p)
     if uniforms is not None and temperature_only and all(key is None for key in keys):
         sampled = drafter.sampled_tokens(block.logits[:, :gamma], anchors, sampling.temperature, uniforms)
         if sampled is not None:
-            drawn, q = sampled
-            before = torch.cat([anchors.long()[:, None], drawn[:, :-1]], dim=1)
-            return Drafts(drawn, q, drafter.confidence_logits(block.hidden[:, :gamma], before))
+            return _from_kernel(drafter, block, anchors, *sampled)
     state = drafter.init_head_state(block.hidden[:, 0])
     prev = anchors
     tokens, probs, prevs = [], [], []
@@ -69,6 +66,19 @@ def sample_drafts(
         tokens.append(prev)
     conf = drafter.confidence_logits(block.hidden[:, :gamma], torch.stack(prevs, dim=1))
     return Drafts(torch.stack(tokens, dim=1), torch.stack(probs, dim=1) if probs else None, conf)
+
+
+def _from_kernel(
+    drafter: DSparkDrafter,
+    block: DraftBlock,
+    anchors: torch.Tensor,
+    tokens: torch.Tensor,
+    probs: torch.Tensor | None,
+) -> Drafts:
+    """A block the Markov head drafted in one kernel call, with its confidence logits (which
+    read x_{k-1}: the anchor, then the block's own tokens)."""
+    before = torch.cat([anchors.long()[:, None], tokens[:, :-1]], dim=1)
+    return Drafts(tokens, probs, drafter.confidence_logits(block.hidden[:, : tokens.shape[1]], before))
 
 
 def merge_drafts(
