@@ -10,56 +10,21 @@
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
-#ifdef __AVX512F__
-#include <immintrin.h>
-extern "C" __m512 _ZGVeN16v_expf(__m512);  // glibc libmvec's 16-lane expf
-#endif
 
 #include "markov.h"
+#include "temperature_draw.h"
 
 namespace {
 
-// q = softmax(x / t) over [0, vocab); returns the first index whose cumulative q (in double)
-// exceeds u * sum(q), else the last index with q > 0 (rounding left u * sum at the end).
+// q = softmax(x / t) over [0, vocab), then one inverse-CDF draw from q with uniform u.
 int64_t softmax_draw(const float* x, int64_t vocab, float t, double u, float* q) {
-  const float inv_t = 1.f / t;
-  float m = x[0] * inv_t;
-  for (int64_t i = 1; i < vocab; ++i) {
-    const float s = x[i] * inv_t;
-    m = s > m ? s : m;
-  }
-  float total = 0.f;
-  int64_t i0 = 0;
-#ifdef __AVX512F__
-  __m512 acc = _mm512_setzero_ps();
-  const __m512 vt = _mm512_set1_ps(inv_t), vm = _mm512_set1_ps(m);
-  for (; i0 + 16 <= vocab; i0 += 16) {
-    const __m512 e = _ZGVeN16v_expf(_mm512_sub_ps(_mm512_mul_ps(_mm512_loadu_ps(x + i0), vt), vm));
-    _mm512_storeu_ps(q + i0, e);
-    acc = _mm512_add_ps(acc, e);
-  }
-  total = _mm512_reduce_add_ps(acc);
-#endif
-  for (int64_t i = i0; i < vocab; ++i) {
-    q[i] = expf(x[i] * inv_t - m);
-    total += q[i];
-  }
-  const float inv = 1.f / total;
+  const float inv = static_cast<float>(1.0 / dspark::temperature_weights(x, vocab, 1.f / t, q));
   double cdf_end = 0.0;
   for (int64_t i = 0; i < vocab; ++i) {
     q[i] *= inv;
     cdf_end += q[i];
   }
-  const double target = u * cdf_end;
-  double cum = 0.0;
-  int64_t last = vocab - 1;
-  for (int64_t i = 0; i < vocab; ++i) {
-    if (q[i] <= 0.f) continue;
-    cum += q[i];
-    last = i;
-    if (cum > target) return i;
-  }
-  return last;
+  return dspark::inverse_cdf_draw(q, vocab, u * cdf_end);
 }
 }  // namespace
 

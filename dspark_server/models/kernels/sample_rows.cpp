@@ -7,10 +7,8 @@
 #include <math.h>
 #include <stdint.h>
 #include <stdlib.h>
-#ifdef __AVX512F__
-#include <immintrin.h>
-extern "C" __m512 _ZGVeN16v_expf(__m512);  // glibc libmvec's 16-lane expf
-#endif
+
+#include "temperature_draw.h"
 
 extern "C" {
 
@@ -30,36 +28,8 @@ int dspark_sample_temperature(const float* logits, int64_t rows, int64_t vocab, 
       bad = 1;
       continue;
     }
-    float m = x[0];
-    for (int64_t i = 1; i < vocab; ++i) m = x[i] > m ? x[i] : m;
-    const float inv_t = 1.f / temps[r];
-    double total = 0.0;
-    int64_t i0 = 0;
-#ifdef __AVX512F__
-    const __m512 vm = _mm512_set1_ps(m), vt = _mm512_set1_ps(inv_t);
-    for (; i0 + 16 <= vocab; i0 += 16) {
-      const __m512 e = _ZGVeN16v_expf(_mm512_mul_ps(_mm512_sub_ps(_mm512_loadu_ps(x + i0), vm), vt));
-      _mm512_storeu_ps(w + i0, e);
-      total += _mm512_reduce_add_ps(e);
-    }
-#endif
-    for (int64_t i = i0; i < vocab; ++i) {
-      w[i] = expf((x[i] - m) * inv_t);
-      total += w[i];
-    }
-    const double target = uniforms[r] * total;
-    double cum = 0.0;
-    int64_t pick = -1, last = -1;
-    for (int64_t i = 0; i < vocab; ++i) {
-      if (w[i] <= 0.f) continue;
-      last = i;
-      cum += w[i];
-      if (cum > target) {
-        pick = i;
-        break;
-      }
-    }
-    out[r] = pick >= 0 ? pick : last;  // rounding left u * total at the end: the last token
+    const double total = dspark::temperature_weights(x, vocab, 1.f / temps[r], w);
+    out[r] = dspark::inverse_cdf_draw(w, vocab, uniforms[r] * total);
     free(w);
   }
   return bad;
