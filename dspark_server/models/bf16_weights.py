@@ -1,11 +1,9 @@
 """Weight-only bfloat16 copies of the fused forward's GEMM weights (kernels/linear_bf16.cpp).
 
-A weight ``wt`` [K, N] (the serving layout's contiguous transpose) is kept twice in bf16, which
-together take the bytes of its float32 copy:
-
-- packed for the small-M kernel: blocks of 32 columns, each block contiguous, in pairs along K
-  (``[N / 32, K / 2, 32, 2]``), the pairs AVX512-BF16's dot product multiplies;
-- plain ``[K, N]`` for MKL's bf16 GEMM, which serves the batches of 32 rows and more.
+A weight ``wt`` [K, N] (the serving layout's contiguous transpose) is kept once in bf16, packed
+for the kernel: blocks of 32 columns, each block contiguous, in pairs along K
+(``[N / 32, K / 2, 32, 2]``), the pairs AVX512-BF16's dot product multiplies. The kernel serves
+every batch size (MKL's own bf16 GEMM is several times slower on AMD CPUs: kernels/gemm.h).
 
 Rounding is PyTorch's float32 -> bfloat16 conversion (round to nearest even), the same as the
 kernels apply to the activations.
@@ -30,8 +28,3 @@ def packed(wt: torch.Tensor) -> torch.Tensor:
     if not fits(wt):
         raise ValueError(f"a packed bf16 weight needs K even and N a multiple of {BLOCK}, got {k} x {n}")
     return wt.reshape(k // 2, 2, n // BLOCK, BLOCK).permute(2, 0, 3, 1).contiguous().to(torch.bfloat16)
-
-
-def plain(wt: torch.Tensor) -> torch.Tensor:
-    """[K, N] float32 -> [K, N] bfloat16, contiguous."""
-    return wt.contiguous().to(torch.bfloat16)

@@ -20,8 +20,8 @@ import torch
 
 from dspark_server.models import bf16_weights
 from dspark_server.models.attention import KVPool
-from dspark_server.models.fused_forward import LayerWeights, bf16_supported, cache_addresses, gemm_addresses
-from dspark_server.models.kernel_library import blas_bf16_gemm, blas_sgemm
+from dspark_server.models.fused_forward import LayerWeights, bf16_supported, cache_addresses, gemm_address
+from dspark_server.models.kernel_library import blas_sgemm
 
 SYMBOL = "dspark_context_write_f32"
 
@@ -55,17 +55,16 @@ class FusedContextWrite:
         hidden_norm: torch.Tensor,
         layers: Sequence[LayerWeights],
         inv_freq: torch.Tensor,
-        bgemm: int | None,
+        bf16: bool,
     ) -> None:
-        self.lib, self.sgemm, self.bgemm, self.shape = lib, sgemm, bgemm, shape
+        self.lib, self.sgemm, self.bf16, self.shape = lib, sgemm, bf16, shape
         self.context_dim = int(fc.shape[1])
         self.num_layers = len(layers)
         self.inv_freq = inv_freq.float().contiguous()
         self.hidden_norm = hidden_norm.detach().float().contiguous()
         held: list[torch.Tensor] = [self.inv_freq, self.hidden_norm]
         start, width = shape.kv_start, shape.kv_width
-        bf16 = bgemm is not None
-        self.fc, self.fc_plain = gemm_addresses(fc.detach().t().contiguous(), bf16, held)  # [C, H]
+        self.fc = gemm_address(fc.detach().t().contiguous(), bf16, held)  # [C, H]
         table: list[int] = []
         for layer in layers:
             assert layer.qk_norm is not None  # build checks
@@ -74,8 +73,8 @@ class FusedContextWrite:
             k_norm = layer.qk_norm[shape.heads[0] :].detach().float().contiguous()
             held += [wt, k_norm]
             # float32: the k|v columns in place (row stride N); bf16: copies of just those columns
-            kv, kv_plain = gemm_addresses(wt[:, start : start + width], bf16, held)
-            table += [kv, kv_plain, width if bf16 else int(wt.shape[1]), k_norm.data_ptr()]
+            kv = gemm_address(wt[:, start : start + width], bf16, held)
+            table += [kv, width if bf16 else int(wt.shape[1]), k_norm.data_ptr()]
         self.layer_table = torch.tensor(table, dtype=torch.int64)
         self._held = held
         self._caches: tuple[KVPool, torch.Tensor] | None = None
@@ -103,13 +102,12 @@ class FusedContextWrite:
         sgemm = blas_sgemm()
         if sgemm is None:
             return None
-        bgemm = None
+        bf16 = False
         if weight_dtype == torch.bfloat16 and bf16_supported(lib):
             start, width = shape.kv_start, shape.kv_width
             kv = [layer.qkv.t()[:, start : start + width] for layer in layers]
-            if all(bf16_weights.fits(m) for m in [fc.t(), *kv]):
-                bgemm = blas_bf16_gemm()
-        return cls(lib, sgemm, shape, fc, hidden_norm, layers, inv_freq, bgemm)
+            bf16 = all(bf16_weights.fits(m) for m in [fc.t(), *kv])
+        return cls(lib, sgemm, shape, fc, hidden_norm, layers, inv_freq, bf16)
 
     def reads(self, pool: KVPool) -> bool:
         return pool.k.dtype == torch.float32 and int(pool.k.shape[0]) == self.num_layers
@@ -127,13 +125,11 @@ class FusedContextWrite:
         s = self.shape
         rc = self.lib.dspark_context_write_f32(
             self.sgemm,
-            self.bgemm,
-            int(self.bgemm is not None),
+            int(self.bf16),
             t,
             feats.data_ptr(),
             self.context_dim,
             self.fc,
-            self.fc_plain or None,
             self.hidden_norm.data_ptr(),
             s.hidden,
             s.eps,

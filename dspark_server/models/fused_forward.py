@@ -30,7 +30,7 @@ from dspark_server.config import ModelConfig
 from dspark_server.models import bf16_weights
 from dspark_server.models.attention import KVPool, PagedAttention, resolve_impl
 from dspark_server.models.drafter_config import DraftConfig
-from dspark_server.models.kernel_library import blas_bf16_gemm, blas_sgemm
+from dspark_server.models.kernel_library import blas_sgemm
 from dspark_server.models.paged_layout import PagedLayout
 
 SYMBOL = "dspark_decoder_forward_f32"
@@ -139,32 +139,29 @@ class FusedForward:
     ``use_kernels`` again to serve its new weights."""
 
     def __init__(
-        self, lib: ctypes.CDLL, sgemm: int, shape: DecoderShape, w: DecoderWeights, bgemm: int | None = None
+        self, lib: ctypes.CDLL, sgemm: int, shape: DecoderShape, w: DecoderWeights, bf16: bool = False
     ) -> None:
-        """``bgemm`` (MKL's bf16 GEMM): serve the GEMMs from weight-only bf16 copies."""
-        self.lib, self.sgemm, self.bgemm = lib, sgemm, bgemm
+        """``bf16``: serve the GEMMs from weight-only bf16 copies (packed for linear_bf16.cpp)."""
+        self.lib, self.sgemm, self.bf16 = lib, sgemm, bf16
         self.hidden, self.vocab, self.heads = shape.hidden, shape.vocab, shape.heads
         self.inter, self.eps = shape.intermediate, shape.eps
-        self.weight_dtype = torch.bfloat16 if bgemm is not None else torch.float32
+        self.weight_dtype = torch.bfloat16 if bf16 else torch.float32
         self.inv_freq = w.inv_freq.float().contiguous()
         self.embed = row_major(w.embed)  # rows are gathered: a column-major table is copied, once
         self.final_norm = w.final_norm.detach()
         held: list[torch.Tensor] = []
 
-        def gemm_weight(m: torch.Tensor) -> tuple[int, int]:
-            return gemm_addresses(_transposed(m), bgemm is not None, held)
+        def gemm_weight(m: torch.Tensor) -> int:
+            return gemm_address(_transposed(m), bf16, held)
 
-        self.lm_wt, self.lm_plain = gemm_weight(w.lm_head)
+        self.lm_wt = gemm_weight(w.lm_head)
         ptrs: list[int] = []
-        plain: list[int] = []
         for lw in w.layers:
             mats = [gemm_weight(m) for m in (lw.qkv, lw.o_proj, lw.gate_up, lw.down)]
             qk = lw.qk_norm.data_ptr() if lw.qk_norm is not None else 0
-            ptrs += [lw.input_norm.data_ptr(), mats[0][0], qk, mats[1][0], lw.post_norm.data_ptr()]
-            ptrs += [mats[2][0], mats[3][0]]
-            plain += [0, mats[0][1], 0, mats[1][1], 0, mats[2][1], mats[3][1]]
+            ptrs += [lw.input_norm.data_ptr(), mats[0], qk, mats[1], lw.post_norm.data_ptr()]
+            ptrs += [mats[2], mats[3]]
         self.weights = torch.tensor(ptrs, dtype=torch.int64)
-        self.weights_plain = torch.tensor(plain, dtype=torch.int64)
         self._held = (w, self.embed, self.final_norm, self.inv_freq, held)  # see the class doc
         self.num_layers = len(w.layers)
         self._caches: tuple[KVPool, torch.Tensor] | None = None
@@ -193,8 +190,7 @@ class FusedForward:
         if sgemm is None:
             return None
         bf16 = weight_dtype == torch.bfloat16 and bf16_supported(lib)
-        bgemm = blas_bf16_gemm() if bf16 and all(bf16_weights.fits(m.t()) for m in mats) else None
-        return cls(lib, sgemm, shape, w, bgemm)
+        return cls(lib, sgemm, shape, w, bf16 and all(bf16_weights.fits(m.t()) for m in mats))
 
     def applies(self, attn: object) -> bool:
         """Whether this forward can run over ``attn`` (a float32 pool the paged kernel reads)."""
@@ -291,10 +287,7 @@ class FusedForward:
             int(block),
             normed.data_ptr() if normed is not None else None,
             torch.get_num_threads(),
-            self.bgemm,
-            int(self.bgemm is not None),
-            self.weights_plain.data_ptr(),
-            self.lm_plain or None,
+            int(self.bf16),
         )
         if rc != 0:
             raise RuntimeError(f"fused decoder forward failed with code {rc}")
@@ -318,15 +311,11 @@ class FusedForward:
         return self._caches[1]
 
 
-def gemm_addresses(wt: torch.Tensor, bf16: bool, held: list[torch.Tensor]) -> tuple[int, int]:
-    """(the address a fused call's GEMM reads for the [K, N] weight ``wt``, the plain bf16 copy's
-    or 0): ``wt`` itself in float32, its packed and plain bf16 copies (kept in ``held``) for
-    weight-only bf16."""
-    if not bf16:
-        held.append(wt)
-        return wt.data_ptr(), 0
-    held.extend((bf16_weights.packed(wt), bf16_weights.plain(wt)))
-    return held[-2].data_ptr(), held[-1].data_ptr()
+def gemm_address(wt: torch.Tensor, bf16: bool, held: list[torch.Tensor]) -> int:
+    """The address a fused call's GEMM reads for the [K, N] weight ``wt``: ``wt`` itself in
+    float32, its packed bf16 copy (kept in ``held``) for weight-only bf16."""
+    held.append(bf16_weights.packed(wt) if bf16 else wt)
+    return held[-1].data_ptr()
 
 
 def cache_addresses(pool: KVPool, num_layers: int) -> torch.Tensor:
@@ -336,8 +325,8 @@ def cache_addresses(pool: KVPool, num_layers: int) -> torch.Tensor:
 
 
 def bf16_supported(lib: ctypes.CDLL | None) -> bool:
-    """Whether weight-only bf16 GEMMs run here (the kernel library, AVX512-BF16, MKL's bf16 GEMM)."""
-    return lib is not None and bool(lib.dspark_has_bf16()) and blas_bf16_gemm() is not None
+    """Whether weight-only bf16 GEMMs run here (the kernel library on a CPU with AVX512-BF16)."""
+    return lib is not None and bool(lib.dspark_has_bf16())
 
 
 _ROW_MAJOR: dict[int, tuple[weakref.ref[torch.Tensor], torch.Tensor]] = {}

@@ -108,12 +108,6 @@ def blas_sgemm() -> int | None:
     return _torch_blas_symbol("sgemm_")
 
 
-@functools.cache
-def blas_bf16_gemm() -> int | None:
-    """The address of MKL's Fortran ``gemm_bf16bf16f32_`` in PyTorch's own MKL, or None."""
-    return _torch_blas_symbol("gemm_bf16bf16f32_")
-
-
 def _torch_blas_symbol(name: str) -> int | None:
     lib_dir = Path(torch.__file__).parent / "lib"
     for lib_name in ("libtorch_cpu.so", "libtorch_cpu.dylib"):
@@ -142,12 +136,12 @@ SIGNATURES = {  # every function returns an int status (0: done)
     # sgemm; tokens, ids, positions, slot_mapping, kv_slots; kmax, q_start, q_len, kv_limit; nseq;
     # embed; hidden, layers, hq, hkv, d, inter; eps, qk_eps; inv_freq, weights, caches, final_norm,
     # lm_wt; vocab; rows; nrows; logits; capture; ncap; hidden_out; block_mode; normed_out; threads;
-    # bgemm, weight_bf16, weights_plain, lm_plain
+    # weight_bf16
     "dspark_decoder_forward_f32": [_P, _I, *[_P] * 4, _I, *[_P] * 3, _I, _P, *[_I] * 6, _F, _F]
-    + [*[_P] * 5, _I, _P, _I, _P, _P, _I, _P, _C, _P, _C, _P, _C, _P, _P],
-    # sgemm, bgemm; weight_bf16; tokens; features; cdim; fc, fc_plain, hidden_norm; hidden; eps;
+    + [*[_P] * 5, _I, _P, _I, _P, _P, _I, _P, _C, _P, _C, _C],
+    # sgemm; weight_bf16; tokens; features; cdim; fc, hidden_norm; hidden; eps;
     # layers, hkv, d; k_eps; inv_freq, layer_table, positions, slots, caches; threads
-    "dspark_context_write_f32": [_P, _P, _C, _I, _P, _I, *[_P] * 3, _I, _F, *[_I] * 3, _F, *[_P] * 5, _C],
+    "dspark_context_write_f32": [_P, _C, _I, _P, _I, *[_P] * 2, _I, _F, *[_I] * 3, _F, *[_P] * 5, _C],
     # sgemm; rows, g, vocab, rank; base, anchors, w1, w2, tokens; threads
     "dspark_markov_greedy_f32": [_P, *[_I] * 4, *[_P] * 5, _C],
     # rows, g, vocab, rank; base, anchors, w1, w2 (bf16), tokens; threads

@@ -13,49 +13,40 @@
 
 namespace {
 // Per layer, in this order: the k|v weight (float32 [K, ld] slice, or its packed bf16 blocks),
-// the plain bf16 slice (or 0), the row stride ld of the full q|k|v weight, the k norm weights
-// [hkv, d] (or 0: no k norm).
-constexpr int kLayerEntries = 4;
+// the row stride ld of the full q|k|v weight (float32), the k norm weights [hkv, d] (or 0: no k
+// norm).
+constexpr int kLayerEntries = 3;
 }  // namespace
 
 extern "C" {
 
 // Returns 0, or 1 for a bad argument, or the first failing kernel's code + 10.
-int dspark_context_write_f32(void* sgemm_fn, void* bgemm_fn, int weight_bf16, int64_t tokens, const float* features,
-                             int64_t cdim, const void* fc_w, const void* fc_plain, const float* norm_w, int64_t hidden,
+int dspark_context_write_f32(void* sgemm_fn, int weight_bf16, int64_t tokens, const float* features,
+                             int64_t cdim, const void* fc_w, const float* norm_w, int64_t hidden,
                              float eps, int64_t layers, int64_t hkv, int64_t d, float qk_eps, const float* inv_freq,
                              const int64_t* layer_table, const int64_t* positions, const int64_t* slots,
                              const int64_t* caches, int nthreads) {
   if (!sgemm_fn || tokens <= 0 || cdim <= 0 || hidden <= 0 || layers <= 0 || hkv <= 0 || d <= 0) return 1;
-  if (weight_bf16 && (!bgemm_fn || !fc_plain)) return 1;
   const int64_t kv_w = 2 * hkv * d;
   float* buf = static_cast<float*>(malloc(sizeof(float) * tokens * (2 * hidden + kv_w)));
   if (!buf) return 1;
-  dspark::Gemms g{reinterpret_cast<dspark::Sgemm>(sgemm_fn), reinterpret_cast<dspark::Bgemm>(bgemm_fn), nullptr,
-                  nthreads};
-  const int64_t widest_k = cdim > hidden ? cdim : hidden;
-  if (weight_bf16 && !(g.xb = static_cast<uint16_t*>(malloc(sizeof(uint16_t) * tokens * widest_k)))) {
-    free(buf);
-    return 1;
-  }
+  const dspark::Gemms g{reinterpret_cast<dspark::Sgemm>(sgemm_fn), weight_bf16 != 0, nthreads};
   float *x = buf, *ctx = x + tokens * hidden, *kv = ctx + tokens * hidden;
-  int rc = dspark::linear(g, features, tokens, cdim, fc_w, weight_bf16 ? fc_plain : nullptr, hidden, x, false);
+  int rc = dspark::linear(g, features, tokens, cdim, fc_w, hidden, x, false);
   if (rc == 0) rc = dspark_rms_norm(0, x, nullptr, nullptr, norm_w, ctx, tokens, hidden, eps, nthreads);
   for (int64_t l = 0; l < layers && rc == 0; ++l) {
     const int64_t* e = layer_table + l * kLayerEntries;
     const void* w = reinterpret_cast<const void*>(e[0]);
-    const void* plain = weight_bf16 ? reinterpret_cast<const void*>(e[1]) : nullptr;
-    if (!w || (weight_bf16 && !plain)) {
+    if (!w) {
       rc = 1;
       break;
     }
-    if ((rc = dspark::linear(g, ctx, tokens, hidden, w, plain, kv_w, kv, false, e[2]))) break;
+    if ((rc = dspark::linear(g, ctx, tokens, hidden, w, kv_w, kv, false, e[1]))) break;
     rc = dspark_qk_norm_rope_store(0, kv, tokens, 0, hkv, d, positions, inv_freq,
-                                   reinterpret_cast<const void*>(e[3]), qk_eps, slots,
+                                   reinterpret_cast<const void*>(e[2]), qk_eps, slots,
                                    reinterpret_cast<void*>(caches[2 * l]), reinterpret_cast<void*>(caches[2 * l + 1]),
                                    nullptr, nthreads);
   }
-  free(g.xb);
   free(buf);
   return rc == 0 ? 0 : (rc == 1 ? 1 : rc + 10);
 }

@@ -11,11 +11,9 @@
 // so no BLAS is linked here. Weights are in the serving layout (layers.py: a float32 [N, K]
 // weight stored column-major, i.e. its [K, N] transpose contiguous).
 //
-// Weight-only bf16 (weight_bf16 = 1): every GEMM weight is bfloat16, in two layouts: packed for
-// linear_bf16.cpp's small-M kernel (fewer than kSmallRows rows: decode and verification blocks),
-// and plain [K, N] for MKL's bf16 GEMM (whose address the caller passes too: prefill chunks and
-// large batches, where it is twice as fast as float32 sgemm). Activations, norms, the KV cache
-// and the logits stay float32; x is rounded to bf16 at each GEMM's input.
+// Weight-only bf16 (weight_bf16 = 1): every GEMM weight is bfloat16 in linear_bf16.cpp's packed
+// layout, for decode, verification blocks and prefill chunks alike (gemm.h). Activations, norms,
+// the KV cache and the logits stay float32; x is rounded to bf16 at each GEMM's input.
 #include <math.h>
 #include <stdint.h>
 #include <stdlib.h>
@@ -29,7 +27,6 @@ namespace {
 using dspark::Gemms;
 using dspark::linear;
 using dspark::Sgemm;
-using dspark::Bgemm;
 
 // Per layer, in this order: input norm, qkv weight (transposed), q/k norm weights [hq + hkv, d]
 // (or 0: no q/k norm), output weight, post-attention norm, gate|up weight, down weight.
@@ -55,22 +52,14 @@ int dspark_decoder_forward_f32(
     // to, unmasked, by the queries of their own sequence (slot_mapping unused); normed_out: the
     // final norm's output of `rows` [nrows, hidden], or null
     int block_mode, float* normed_out, int nthreads,
-    // weight-only bf16: MKL's bf16 GEMM, and the plain-layout weight table (same order as
-    // `weights`) and LM head; `weights` and `lm_wt` then point to the packed layouts
-    void* bgemm_fn, int weight_bf16, const int64_t* weights_plain, const void* lm_plain) {
+    // weight-only bf16: `weights` and `lm_wt` point to packed bf16 layouts
+    int weight_bf16) {
   Sgemm sgemm = reinterpret_cast<Sgemm>(sgemm_fn);
   if (!sgemm || tokens <= 0 || hidden <= 0 || layers <= 0) return 1;
-  if (weight_bf16 && (!bgemm_fn || !weights_plain || !lm_plain)) return 1;
   const int64_t qkv_w = (hq + 2 * hkv) * d, big = qkv_w > 2 * inter ? qkv_w : 2 * inter;
   float* buf = static_cast<float*>(malloc(sizeof(float) * tokens * (3 * hidden + 2 * hq * d + big + inter)));
   if (!buf) return 1;
-  int64_t widest_k = hidden > inter ? hidden : inter;  // the GEMMs' K: hidden, hq * d, inter
-  if (hq * d > widest_k) widest_k = hq * d;
-  Gemms g{sgemm, reinterpret_cast<Bgemm>(bgemm_fn), nullptr, nthreads};
-  if (weight_bf16 && !(g.xb = static_cast<uint16_t*>(malloc(sizeof(uint16_t) * tokens * widest_k)))) {
-    free(buf);
-    return 1;
-  }
+  const Gemms g{sgemm, weight_bf16 != 0, nthreads};
   float *x = buf, *h = x + tokens * hidden, *tmp = h + tokens * hidden, *q = tmp + tokens * hidden;
   float *att = q + tokens * hq * d, *wide = att + tokens * hq * d, *mid = wide + tokens * big;
   int rc = 0;
@@ -82,7 +71,6 @@ int dspark_decoder_forward_f32(
     if (!kx || !self_slots) {
       free(kx);
       free(self_slots);
-      free(g.xb);
       free(buf);
       return 1;
     }
@@ -93,15 +81,11 @@ int dspark_decoder_forward_f32(
   const float scale = 1.f / sqrtf(static_cast<float>(d));
   for (int64_t l = 0; l < layers && rc == 0; ++l) {
     const float* const* w = reinterpret_cast<const float* const*>(weights + l * kLayerWeights);
-    const void* const* wp =
-        weight_bf16 ? reinterpret_cast<const void* const*>(weights_plain + l * kLayerWeights) : nullptr;
-    const void* nil[kLayerWeights] = {};
-    if (!wp) wp = nil;
     void* kc = reinterpret_cast<void*>(caches[2 * l]);
     void* vc = reinterpret_cast<void*>(caches[2 * l + 1]);
     rc = dspark_rms_norm(0, x, nullptr, nullptr, w[0], h, tokens, hidden, eps, nthreads);
     if (rc) break;
-    if ((rc = linear(g, h, tokens, hidden, w[1], wp[1], qkv_w, wide, false))) break;
+    if ((rc = linear(g, h, tokens, hidden, w[1], qkv_w, wide, false))) break;
     rc = dspark_qk_norm_rope_store(0, wide, tokens, hq, hkv, d, positions, inv_freq, w[2], qk_eps,
                                    block_mode ? self_slots : slot_mapping, block_mode ? kx : kc,
                                    block_mode ? vx : vc, q, nthreads);
@@ -109,14 +93,14 @@ int dspark_decoder_forward_f32(
     rc = dspark_paged_attention(0, q, kc, vc, kv_slots, kmax, q_start, q_len, kv_limit, kx, vx, nseq, hq, hkv, d, scale,
                                 att, nullptr, nthreads);
     if (rc) break;
-    if ((rc = linear(g, att, tokens, hq * d, w[3], wp[3], hidden, tmp, false))) break;
+    if ((rc = linear(g, att, tokens, hq * d, w[3], hidden, tmp, false))) break;
     // x + attention, then its norm (the residual rounded before the norm, as the PyTorch path)
     rc = dspark_rms_norm(0, x, tmp, x, w[4], h, tokens, hidden, eps, nthreads);
     if (rc) break;
-    if ((rc = linear(g, h, tokens, hidden, w[5], wp[5], 2 * inter, wide, false))) break;
+    if ((rc = linear(g, h, tokens, hidden, w[5], 2 * inter, wide, false))) break;
     rc = dspark_silu_mul(0, wide, mid, tokens, inter, nthreads);
     if (rc) break;
-    if ((rc = linear(g, mid, tokens, inter, w[6], wp[6], hidden, tmp, false))) break;
+    if ((rc = linear(g, mid, tokens, inter, w[6], hidden, tmp, false))) break;
     for (int64_t i = 0; i < tokens * hidden; ++i) x[i] += tmp[i];
     if (capture && capture[l] >= 0 && capture[l] < ncap)
       for (int64_t t = 0; t < tokens; ++t)
@@ -126,9 +110,8 @@ int dspark_decoder_forward_f32(
     for (int64_t r = 0; r < nrows; ++r) memcpy(tmp + r * hidden, x + rows[r] * hidden, sizeof(float) * hidden);
     rc = dspark_rms_norm(0, tmp, nullptr, nullptr, final_norm, h, nrows, hidden, eps, nthreads);
     if (rc == 0 && normed_out) memcpy(normed_out, h, sizeof(float) * nrows * hidden);
-    if (rc == 0) rc = linear(g, h, nrows, hidden, lm_wt, weight_bf16 ? lm_plain : nullptr, vocab, logits, false);
+    if (rc == 0) rc = linear(g, h, nrows, hidden, lm_wt, vocab, logits, false);
   }
-  free(g.xb);
   free(kx);
   free(self_slots);
   free(buf);

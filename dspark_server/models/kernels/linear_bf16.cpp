@@ -1,9 +1,11 @@
 // out[M, N] (+)= x[M, K] @ W with W in bfloat16 and x, out in float32: weight-only bf16 for the
 // fused forward's GEMMs (half the bytes of float32 weights, fp32 accumulation).
 //
-// MKL's bf16 GEMM is fast at one row but slower than float32 sgemm at 2-16 rows (measured on the
-// demo target's shapes: 697 us against 501 us at 8 rows), which is where speculative
-// verification lives. This kernel is written for small M: W is packed in blocks of 32 columns,
+// Written for the small M of decoding and speculative verification, where MKL's bf16 GEMM was
+// slower than float32 sgemm (demo target's shapes, 8 rows: 697 against 501 us), it serves prefill
+// chunks and large batches too: with each 32-column block re-read from L2 per 8 rows it runs at
+// 300-350 GFLOP/s on two EPYC cores from 64 to 512 rows, where MKL's bf16 GEMM takes 72-125 (gemm.h).
+// W is packed in blocks of 32 columns,
 // each block contiguous, in pairs along K (wp[((n / 32) * (K / 2) + k / 2) * 64 + (n % 32) * 2 +
 // k % 2]: the pairs AVX512-BF16's dot product reads, one block a stream of K * 64 bytes); each
 // thread takes blocks, and every block is read once per 8 rows of x, with 16 accumulators in
@@ -60,8 +62,7 @@ extern "C" {
 // Whether this CPU runs the kernel (AVX512-BF16).
 int dspark_has_bf16() { return __builtin_cpu_supports("avx512bf16") ? 1 : 0; }
 
-// out[i] = x[i] rounded to bf16 (to nearest even; finite inputs): the GEMMs' input rounding, here
-// and in decoder_forward.cpp's MKL path.
+// out[i] = x[i] rounded to bf16 (to nearest even; finite inputs): the GEMM input rounding.
 void dspark_round_bf16(const float* x, int64_t count, uint16_t* out) {
   for (int64_t i = 0; i < count; ++i) {
     uint32_t u;
