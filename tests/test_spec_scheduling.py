@@ -75,6 +75,31 @@ def test_verification_uses_only_what_prefill_leaves(pair: tuple[Path, Path]) -> 
     assert sum(engine.spec.last_verify_lens) == 48 - 21
 
 
+def test_a_step_whose_budget_prefill_fills_drafts_for_nobody(pair: tuple[Path, Path]) -> None:
+    """No draft pass where no draft can be verified: the step is plain (fixed mode drafts for
+    every decode otherwise), and beyond the room left, requests take plain tokens."""
+    target, draft = pair
+    running = 20
+    engine, _ = _decoding_engine(target, draft, "fixed", running)
+    stats = engine.stats.spec_steps_by_choice
+    before = dict(stats)
+    engine.add_request(
+        "new", list(range(4, 24)) * 10, SamplingParams(temperature=0, max_tokens=4), lambda _o: None
+    )
+    engine.step()  # 20 decodes + a 28-token prefill chunk: room 0
+    new = {k: v - before.get(k, 0) for k, v in stats.items() if v != before.get(k, 0)}
+    assert [choice for _bucket, choice in new] == ["plain"]
+    while "new" in engine.requests:  # a free running slot for the next prompt
+        engine.step()
+    rounds = {r.request_id: r.spec.rounds for r in engine.scheduler.running}
+    engine.add_request(
+        "more", list(range(4, 24)), SamplingParams(temperature=0, max_tokens=4), lambda _o: None
+    )
+    engine.step()  # 20 decodes + the 20-token prompt: room for 8 draft tokens, so 8 requests draft
+    drafted = [r for r in engine.scheduler.running if r.spec.rounds > rounds.get(r.request_id, 0)]
+    assert len(drafted) == 48 - 20 - 20
+
+
 def test_cap_admits_positions_position_major() -> None:
     lens = np.array([4, 1, 3, 0])
     assert cap_lengths(lens, None).tolist() == [4, 1, 3, 0]
