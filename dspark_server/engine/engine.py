@@ -156,9 +156,10 @@ class LLMEngine:
             n, drafted, ended = self._decode_step_end
             spec.record_outside(n, drafted, time.perf_counter() - ended)
         self._decode_step_end = None
-        drafting = spec.drafting(sched.decodes)[: self._draft_room(sched)] if spec is not None else []
+        room = self._draft_room(sched)
+        drafting = spec.drafting(sched.decodes)[:room] if spec is not None else []
         if spec is not None and drafting:
-            self._run_speculative(spec, sched, drafting)
+            self._run_speculative(spec, sched, drafting, room)
             return
         # a plain step; in a speculative mode it also captures the drafter's features
         t0 = time.perf_counter()
@@ -192,17 +193,15 @@ class LLMEngine:
         return max(0, self.cfg.max_batch_tokens - len(sched.decodes) - prefill_tokens)
 
     def _run_speculative(
-        self, spec: SpeculativeDecoder, sched: SchedulerOutput, drafting: list[Request]
+        self, spec: SpeculativeDecoder, sched: SchedulerOutput, drafting: list[Request], room: int
     ) -> None:
-        """The speculative step returns what each drafting request emits; the engine commits
-        it, samples the completed prefills and the decodes that did not draft like the plain
-        path does, and reports back what was kept."""
+        """The speculative step (``room``: the draft tokens the budget leaves) returns what each
+        drafting request emits; the engine commits it, samples the completed prefills and the
+        decodes that did not draft like the plain path does, and reports back what was kept."""
         t0 = time.perf_counter()
         chosen = {id(r) for r in drafting}
         plain = [r for r in sched.decodes if id(r) not in chosen]
-        result: SpecStepResult = spec.step(
-            self.runner, drafting, sched.prefills, self._draft_room(sched), plain
-        )
+        result: SpecStepResult = spec.step(self.runner, drafting, sched.prefills, room, plain)
         self.stats.record_batch(result.forward.batch.num_tokens, result.forward.seconds)
         kept = [self.commit(d.request, d.tokens, d.spec_round) for d in result.decodes]
         completing = [c.request for c in sched.prefills if c.completes]

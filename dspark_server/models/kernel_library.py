@@ -105,10 +105,11 @@ def load_library() -> ctypes.CDLL | None:
 @functools.cache
 def blas_sgemm() -> int | None:
     """The address of the Fortran ``sgemm_`` PyTorch's float32 linear layers run (MKL on x86), or None."""
-    return _torch_blas_symbol("sgemm_")
+    return torch_blas_symbol("sgemm_")
 
 
-def _torch_blas_symbol(name: str) -> int | None:
+def torch_blas_symbol(name: str) -> int | None:
+    """The address of the Fortran BLAS routine ``name`` in PyTorch's own libtorch_cpu, or None."""
     lib_dir = Path(torch.__file__).parent / "lib"
     for lib_name in ("libtorch_cpu.so", "libtorch_cpu.dylib"):
         path = lib_dir / lib_name

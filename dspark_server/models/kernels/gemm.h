@@ -1,9 +1,10 @@
 // The GEMM the fused calls (decoder_forward.cpp, context_write.cpp) run: out[M, N] (+)= x[M, K]
 // times a weight in the serving layout, float32 through the BLAS sgemm whose address the caller
 // passes (PyTorch's own MKL), or weight-only bf16 through linear_bf16.cpp's packed kernel at every
-// M. MKL's own bf16 GEMM is not used: on this AMD EPYC it takes a generic path that converts to
-// float32 (1.4 GFLOP/s at one row, 90 at 160 rows, 125 at 512, against the packed kernel's 62 /
-// 348 / 344; /tmp measurement of session 15, K 2048, N 9216, two threads).
+// M. MKL's own bf16 GEMM is not used: on this AMD EPYC it takes a generic path no faster than
+// float32 sgemm (`python -m tools.bf16_gemm_ab`, K 2048, N 9216, two threads, GFLOP/s at 1 / 32 /
+// 160 / 512 rows: MKL bf16 1.6 / 78 / 133 / 163, sgemm 11 / 60 / 108 / 162, the packed kernel
+// 44 / 361 / 414 / 414).
 #pragma once
 #include <stdint.h>
 
