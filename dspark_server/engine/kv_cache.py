@@ -8,8 +8,10 @@ both and a rollback truncates both at once.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 
 
@@ -77,6 +79,23 @@ class PageAllocator:
             raise ValueError(f"positions up to {end} are not reserved ({len(table.pages)} pages)")
         ps, pages = self.page_size, table.pages
         return torch.tensor([pages[p // ps] * ps + p % ps for p in range(start, end)], dtype=torch.long)
+
+    def slot_matrix(self, tables: Sequence[PageTable], lengths: np.ndarray) -> np.ndarray:
+        """[R, max(lengths)] int64: the slots of positions 0 .. lengths[r] - 1 of table r, padded
+        with slot 0 (page 0, never handed out); the pages must already be reserved. NumPy: at
+        one request of ~600 positions this is a few microseconds, the tensor ops ~50."""
+        ps, r = self.page_size, len(tables)
+        kmax = int(lengths.max()) if r else 0
+        need = -(-lengths // ps)
+        width = int(need.max()) if r else 0
+        pages = np.zeros((r, width), dtype=np.int64)
+        for i, (table, n) in enumerate(zip(tables, need.tolist(), strict=True)):
+            if n > len(table.pages):
+                end = int(lengths[i])
+                raise ValueError(f"positions up to {end} are not reserved ({len(table.pages)} pages)")
+            pages[i, :n] = table.pages[:n]
+        slots = (pages[:, :, None] * ps + np.arange(ps)).reshape(r, width * ps)[:, :kmax]
+        return np.where(np.arange(kmax)[None, :] < lengths[:, None], slots, 0)
 
     def slots_at(self, table: PageTable, positions: torch.Tensor) -> torch.Tensor:
         """Slot indices of the given positions (pages must already be reserved)."""

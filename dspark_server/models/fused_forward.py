@@ -166,6 +166,7 @@ class FusedForward:
         self.num_layers = len(w.layers)
         self._caches: tuple[KVPool, torch.Tensor] | None = None
         self._captures: dict[tuple[int, ...], torch.Tensor] = {}
+        self._reads: tuple[KVPool, str, bool] | None = None  # the last pool asked about
 
     @classmethod
     def build(
@@ -197,10 +198,15 @@ class FusedForward:
         return isinstance(attn, PagedAttention) and self.reads(attn.pool)
 
     def reads(self, pool: KVPool) -> bool:
-        """Whether the paged kernel reads this pool (float32, impl auto / kernel)."""
-        if pool.k.dtype != torch.float32:
-            return False
-        return resolve_impl(pool.impl, torch.float32, pool.k[0], self.heads[0]) == "kernel"
+        """Whether the paged kernel reads this pool (float32, impl auto / kernel); asked at every
+        forward, answered once per pool and impl."""
+        known = self._reads
+        if known is not None and known[0] is pool and known[1] == pool.impl:
+            return known[2]
+        fits = pool.k.dtype == torch.float32
+        fits = fits and resolve_impl(pool.impl, torch.float32, pool.k[0], self.heads[0]) == "kernel"
+        self._reads = (pool, pool.impl, fits)
+        return fits
 
     def __call__(
         self,

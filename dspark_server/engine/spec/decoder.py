@@ -345,8 +345,9 @@ class SpeculativeDecoder:
     ) -> Drafts:
         """One backbone pass for these decoding requests, then the sequential head."""
         anchors = torch.tensor([r.last_token_id for r in decodes])
-        ctx = DraftContext.from_slot_lists(
-            [alloc.slots(r.table, 0, p) for r, p in zip(decodes, anchor_pos, strict=True)]
+        lens = np.asarray(anchor_pos, dtype=np.int64)
+        ctx = DraftContext(
+            torch.from_numpy(alloc.slot_matrix([r.table for r in decodes], lens)), torch.from_numpy(lens)
         )
         block = self.drafter.backbone(anchors, torch.tensor(anchor_pos), ctx, self.pool)
         return self.sample_drafts(decodes, block, anchors, sampling, [r.generator for r in decodes])
