@@ -162,6 +162,12 @@ class EngineConfig:
     # "auto": $DSPARK_WEIGHT_DTYPE where set, else bfloat16 where the CPU computes it natively
     # (AVX512-BF16 or AMX-BF16) and the fused forward runs, else float32 (``resolved_weight_dtype``).
     weight_dtype: str = "auto"
+    # The target's KV cache: "float32", or "bfloat16" (keys and values rounded as they are stored,
+    # attention in float32: half the bytes attention reads, which at many requests over long
+    # histories is most of a forward; needs the fused forward). "auto": $DSPARK_KV_CACHE_DTYPE
+    # where set, else bfloat16 where the weights are served in bfloat16, else ``dtype``
+    # (``resolved_kv_cache_dtype``; the drafter's context cache stays in ``dtype``).
+    kv_cache_dtype: str = "auto"
     spec: SpeculativeConfig = field(default_factory=SpeculativeConfig)
 
     def resolved_weight_dtype(self) -> str:
@@ -174,11 +180,22 @@ class EngineConfig:
         native = any(f in cpu_flags().split() for f in ("avx512_bf16", "amx_bf16"))
         return "bfloat16" if native and self.layer_kernels and self.fused_forward else "float32"
 
+    def resolved_kv_cache_dtype(self) -> str:
+        """``kv_cache_dtype`` with "auto" decided: "bfloat16" with bf16 weights, else ``dtype``."""
+        if self.kv_cache_dtype != "auto":
+            return self.kv_cache_dtype
+        env = os.environ.get("DSPARK_KV_CACHE_DTYPE", "").strip()
+        if env and env != "auto":
+            return env
+        return "bfloat16" if self.resolved_weight_dtype() == "bfloat16" else self.dtype
+
     def serving_dtype(self) -> str:
         """The dtype a profile of this engine's steps is measured in: ``dtype``, with the fused
-        forward's weight dtype where it differs (e.g. "float32+bfloat16-weights")."""
-        weights = self.resolved_weight_dtype()
-        return self.dtype if weights == self.dtype else f"{self.dtype}+{weights}-weights"
+        forward's weight dtype and the KV cache's where they differ (e.g.
+        "float32+bfloat16-weights", "float32+bfloat16-weights+bfloat16-kv")."""
+        weights, kv = self.resolved_weight_dtype(), self.resolved_kv_cache_dtype()
+        out = self.dtype if weights == self.dtype else f"{self.dtype}+{weights}-weights"
+        return out if kv == self.dtype else f"{out}+{kv}-kv"
 
     def resolved_num_pages(self) -> int:
         if self.num_pages is not None:

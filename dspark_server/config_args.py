@@ -145,6 +145,15 @@ def add_engine_args(
         "bfloat16 where the CPU has native bf16, else float32; float32 for bit-exact fp32 "
         f"(default: {field_default(EngineConfig, 'weight_dtype')})",
     )
+    g.add_argument(
+        "--kv-cache-dtype",
+        choices=("auto", "float32", "bfloat16"),
+        default=None,
+        help="the target's KV cache: bfloat16 halves the bytes attention reads (keys and values "
+        "rounded as they are stored, attention in float32; needs the fused forward); auto: "
+        "$DSPARK_KV_CACHE_DTYPE, else bfloat16 where the weights are served in bfloat16, else "
+        f"--dtype (default: {field_default(EngineConfig, 'kv_cache_dtype')})",
+    )
     if speculation != "none":
         s = parser.add_argument_group("speculation")
         if speculation == "all":
@@ -218,6 +227,7 @@ def engine_config_from_args(
         layer_kernels=not getattr(ns, "no_layer_kernels", False),
         fused_forward=not getattr(ns, "no_fused_forward", False),
         weight_dtype=getattr(ns, "weight_dtype", None) or field_default(EngineConfig, "weight_dtype"),
+        kv_cache_dtype=getattr(ns, "kv_cache_dtype", None) or field_default(EngineConfig, "kv_cache_dtype"),
         spec=spec,
         **capacity,
     )

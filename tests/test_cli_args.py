@@ -119,10 +119,11 @@ def test_auto_weight_dtype_follows_the_environment_then_the_cpu(monkeypatch: pyt
     import dspark_server.config as config
 
     monkeypatch.delenv("DSPARK_WEIGHT_DTYPE", raising=False)
+    monkeypatch.delenv("DSPARK_KV_CACHE_DTYPE", raising=False)
     auto = EngineConfig(model_dir="/m")
     monkeypatch.setattr(config, "cpu_flags", lambda: "fpu sse avx512f avx512_bf16 avx512_vnni")
     assert auto.resolved_weight_dtype() == "bfloat16"
-    assert auto.serving_dtype() == "float32+bfloat16-weights"
+    assert auto.serving_dtype() == "float32+bfloat16-weights+bfloat16-kv"  # auto: the cache follows
     assert EngineConfig(model_dir="/m", fused_forward=False).resolved_weight_dtype() == "float32"
     assert EngineConfig(model_dir="/m", weight_dtype="float32").resolved_weight_dtype() == "float32"
     monkeypatch.setattr(config, "cpu_flags", lambda: "fpu sse avx2 avx512f")

@@ -115,3 +115,27 @@ def test_qk_norm_rope_store_matches_projection_path(qk_norm: bool, dtype: torch.
     untouched = torch.ones(64, dtype=torch.bool)
     untouched[slots] = False
     assert not k_cache[untouched].any() and not v_cache[untouched].any()
+
+
+@pytest.mark.parametrize("qk_norm", [True, False])
+def test_qk_norm_rope_store_into_a_bfloat16_cache_rounds_keys_and_values_once(qk_norm: bool) -> None:
+    """Float32 activations, bfloat16 caches (--kv-cache-dtype bfloat16): q is the float32 call's,
+    bit for bit, and the stored keys and values are the float32 call's rounded to bfloat16."""
+    attn, rotary = _attention(qk_norm, torch.float32)
+    assert attn._qkv is not None
+    g = torch.Generator().manual_seed(5)
+    x = torch.randn(9, 64, generator=g)
+    positions = torch.tensor([0, 1, 2, 17, 18, 300, 301, 302, 2047])
+    slots = torch.tensor([5, 6, 7, 20, 21, 40, 41, 42, 60])
+    with torch.no_grad():
+        qkv = F.linear(x, *attn._qkv)
+    eps = attn.q_norm.eps if qk_norm else 0.0
+    args = ((4, 2, 32), positions, rotary.inv_freq, attn._qk_norm_weight, eps, slots)
+    k32, v32 = (torch.zeros(64, 2, 32) for _ in range(2))
+    q32 = layer_ops.qk_norm_rope_store(LIB, qkv, *args, k32, v32)
+    kb, vb = (torch.zeros(64, 2, 32, dtype=torch.bfloat16) for _ in range(2))
+    q = layer_ops.qk_norm_rope_store(LIB, qkv, *args, kb, vb)
+    assert q.dtype == torch.float32 and torch.equal(q, q32)
+    assert torch.equal(kb, k32.bfloat16()) and torch.equal(vb, v32.bfloat16())
+    with pytest.raises(ValueError, match="no kernel stores"):
+        layer_ops.qk_norm_rope_store(LIB, qkv.bfloat16(), *args, k32, v32)

@@ -125,6 +125,30 @@ def test_draft_blocks_see_context_and_their_own_block(impl: str, dtype: torch.dt
         torch.testing.assert_close(lse[rows].double(), ref_lse, atol=TOL[dtype], rtol=TOL[dtype])
 
 
+@needs_kernel
+@pytest.mark.parametrize(("hq", "hkv", "d"), [(4, 2, 64), (8, 2, 16), (4, 4, 128)])
+def test_float32_queries_over_a_bfloat16_cache_read_the_rounded_values(hq: int, hkv: int, d: int) -> None:
+    """A bfloat16 KV cache under float32 activations (--kv-cache-dtype bfloat16): the kernel reads
+    each stored bf16 value as the float32 it is, so its output equals, bit for bit, the float32
+    kernel's over a float32 pool holding the same rounded values (decodes, verification blocks and
+    a prefill chunk), and the drafter's block (float32 keys of its own) likewise."""
+    q, kc, vc, layout = ragged_batch(hq, hkv, d, torch.float32)
+    kb, vb = kc.bfloat16(), vc.bfloat16()
+    out, lse = paged_attend(q, kb, vb, layout, "kernel", want_lse=True)
+    ref, ref_lse = paged_attend(q, kb.float(), vb.float(), layout, "kernel", want_lse=True)
+    assert out.dtype == torch.float32 and lse is not None and ref_lse is not None
+    assert torch.equal(out, ref) and torch.equal(lse, ref_lse)
+    assert not torch.equal(out, paged_attend(q, kc, vc, layout, "kernel")[0])  # it did round
+    g = torch.Generator().manual_seed(5)
+    lens = torch.tensor([3, 40])
+    ctx = DraftContext.from_slot_lists([torch.randperm(200, generator=g)[: int(n)] + 16 for n in lens])
+    blocks = PagedLayout.blocks(ctx.slots, lens, 7)
+    qb = torch.randn(14, hq, d, generator=g)
+    extra = (torch.randn(14, hkv, d, generator=g), torch.randn(14, hkv, d, generator=g))
+    got, _ = paged_attend(qb, kb, vb, blocks, "kernel", extra=extra)
+    assert torch.equal(got, paged_attend(qb, kb.float(), vb.float(), blocks, "kernel", extra=extra)[0])
+
+
 def test_merge_attention_is_softmax_over_the_union() -> None:
     g = torch.Generator().manual_seed(4)
     q, k, v = (

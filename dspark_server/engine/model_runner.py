@@ -33,16 +33,7 @@ class ModelRunner:
         self.cfg = cfg
         self.dtype = resolve_dtype(cfg.dtype)
         self.target = target if target is not None else load_target(cfg.model_dir, self.dtype)
-        mc = self.target.config
         self.allocator = PageAllocator(cfg.resolved_num_pages(), cfg.page_size)
-        self.pool = KVPool(
-            mc.num_hidden_layers,
-            self.allocator.num_slots,
-            mc.num_key_value_heads,
-            mc.head_dim,
-            self.dtype,
-            impl=cfg.attention_impl,
-        )
         weight_dtype = cfg.resolved_weight_dtype()
         if weight_dtype not in ("float32", "bfloat16"):
             raise ValueError(f"weight_dtype must be auto, float32 or bfloat16, got {weight_dtype!r}")
@@ -50,6 +41,26 @@ class ModelRunner:
         log.info("weights served as %s (--weight-dtype %s)", weight_dtype, cfg.weight_dtype)
         lib = load_library() if cfg.layer_kernels else None
         self.target.use_kernels(lib, fused=cfg.fused_forward, weight_dtype=self.weight_dtype)
+        kv = cfg.resolved_kv_cache_dtype()
+        if kv not in ("float32", "bfloat16", cfg.dtype):
+            raise ValueError(f"kv_cache_dtype must be auto, float32, bfloat16 or --dtype, got {kv!r}")
+        self.pool = self._new_pool(resolve_dtype(kv))
+        if not self.target.serves_pool(self.pool):  # a bf16 cache under float32: fused forward only
+            if cfg.kv_cache_dtype != "auto":
+                raise ValueError(f"a {kv} KV cache needs the fused forward (--kv-cache-dtype {kv})")
+            self.pool = self._new_pool(self.dtype)
+        log.info("KV cache in %s (--kv-cache-dtype %s)", self.pool.k.dtype, cfg.kv_cache_dtype)
+
+    def _new_pool(self, dtype: torch.dtype) -> KVPool:
+        mc = self.target.config
+        return KVPool(
+            mc.num_hidden_layers,
+            self.allocator.num_slots,
+            mc.num_key_value_heads,
+            mc.head_dim,
+            dtype,
+            impl=self.cfg.attention_impl,
+        )
 
     @torch.inference_mode()
     def forward(

@@ -194,16 +194,16 @@ class FusedForward:
         return cls(lib, sgemm, shape, w, bf16 and all(bf16_weights.fits(m.t()) for m in mats))
 
     def applies(self, attn: object) -> bool:
-        """Whether this forward can run over ``attn`` (a float32 pool the paged kernel reads)."""
+        """Whether this forward can run over ``attn`` (a pool the paged kernel reads)."""
         return isinstance(attn, PagedAttention) and self.reads(attn.pool)
 
     def reads(self, pool: KVPool) -> bool:
-        """Whether the paged kernel reads this pool (float32, impl auto / kernel); asked at every
-        forward, answered once per pool and impl."""
+        """Whether the paged kernel reads this pool (float32, or a bfloat16 KV cache, with impl
+        auto / kernel); asked at every forward, answered once per pool and impl."""
         known = self._reads
         if known is not None and known[0] is pool and known[1] == pool.impl:
             return known[2]
-        fits = pool.k.dtype == torch.float32
+        fits = pool.k.dtype in (torch.float32, torch.bfloat16)
         fits = fits and resolve_impl(pool.impl, torch.float32, pool.k[0], self.heads[0]) == "kernel"
         self._reads = (pool, pool.impl, fits)
         return fits
@@ -294,6 +294,7 @@ class FusedForward:
             normed.data_ptr() if normed is not None else None,
             torch.get_num_threads(),
             int(self.bf16),
+            int(pool.k.dtype == torch.bfloat16),
         )
         if rc != 0:
             raise RuntimeError(f"fused decoder forward failed with code {rc}")

@@ -47,6 +47,17 @@ FLAGS = (
     "-fPIC",
 )
 DTYPES = {torch.float32: 0, torch.bfloat16: 1}  # the kernels' dtype codes
+MIXED_BF16_CACHE = 2  # float32 activations over a bfloat16 KV cache (attention, the K/V store)
+
+
+def cache_dtype_code(activations: torch.dtype, cache: torch.dtype) -> int | None:
+    """The code of the kernels that read or write a ``cache`` KV pool under ``activations``:
+    one dtype for both, or float32 over bfloat16; None where no kernel does."""
+    if activations == cache:
+        return DTYPES.get(activations)
+    return MIXED_BF16_CACHE if (activations, cache) == (torch.float32, torch.bfloat16) else None
+
+
 _P = ctypes.c_void_p
 _I = ctypes.c_int64
 
@@ -137,9 +148,9 @@ SIGNATURES = {  # every function returns an int status (0: done)
     # sgemm; tokens, ids, positions, slot_mapping, kv_slots; kmax, q_start, q_len, kv_limit; nseq;
     # embed; hidden, layers, hq, hkv, d, inter; eps, qk_eps; inv_freq, weights, caches, final_norm,
     # lm_wt; vocab; rows; nrows; logits; capture; ncap; hidden_out; block_mode; normed_out; threads;
-    # weight_bf16
+    # weight_bf16; kv_bf16
     "dspark_decoder_forward_f32": [_P, _I, *[_P] * 4, _I, *[_P] * 3, _I, _P, *[_I] * 6, _F, _F]
-    + [*[_P] * 5, _I, _P, _I, _P, _P, _I, _P, _C, _P, _C, _C],
+    + [*[_P] * 5, _I, _P, _I, _P, _P, _I, _P, _C, _P, _C, _C, _C],
     # sgemm; weight_bf16; tokens; features; cdim; fc, hidden_norm; hidden; eps;
     # layers, hkv, d; k_eps; inv_freq, layer_table, positions, slots, caches; threads
     "dspark_context_write_f32": [_P, _C, _I, _P, _I, *[_P] * 2, _I, _F, *[_I] * 3, _F, *[_P] * 5, _C],

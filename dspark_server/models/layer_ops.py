@@ -13,7 +13,7 @@ import ctypes
 
 import torch
 
-from dspark_server.models.kernel_library import DTYPES
+from dspark_server.models.kernel_library import DTYPES, cache_dtype_code
 
 
 def supports(x: torch.Tensor) -> bool:
@@ -68,16 +68,18 @@ def qk_norm_rope_store(
     """From the fused projection's output qkv [T, (Hq + 2 Hkv) * D] (``heads`` = Hq, Hkv, D):
     q and k normalised per head (``qk_weight`` [Hq + Hkv, D], None for no q/k norm) and rotated
     at ``positions`` (angles ``position * inv_freq``, float32); k and v are written into the
-    layer's caches [S, Hkv, D] at ``slots`` [T]. Returns q [T, Hq, D]."""
+    layer's caches [S, Hkv, D] at ``slots`` [T] (qkv's dtype, or bfloat16 under float32: rounded
+    as stored). Returns q [T, Hq, D]."""
     hq, hkv, d = heads
     t = qkv.shape[0]
     if not (qkv.is_contiguous() and k_cache.is_contiguous() and v_cache.is_contiguous()):
         raise ValueError("qkv and the caches must be contiguous")
-    if k_cache.dtype != qkv.dtype or v_cache.dtype != qkv.dtype:
-        raise ValueError(f"cache dtype {k_cache.dtype} does not match activations {qkv.dtype}")
+    code = cache_dtype_code(qkv.dtype, k_cache.dtype)
+    if code is None or v_cache.dtype != k_cache.dtype:
+        raise ValueError(f"no kernel stores {qkv.dtype} activations into a {k_cache.dtype} cache")
     q = torch.empty(t, hq, d, dtype=qkv.dtype)
     rc = lib.dspark_qk_norm_rope_store(
-        DTYPES[qkv.dtype],
+        code,
         qkv.data_ptr(),
         t,
         hq,

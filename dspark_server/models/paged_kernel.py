@@ -6,7 +6,7 @@ import ctypes
 
 import torch
 
-from dspark_server.models.kernel_library import DTYPES
+from dspark_server.models.kernel_library import cache_dtype_code
 from dspark_server.models.paged_layout import PagedLayout
 
 _HEAD_DIMS = (16, 32, 64, 80, 96, 128, 256)
@@ -15,8 +15,7 @@ _HEAD_DIMS = (16, 32, 64, 80, 96, 128, 256)
 def kernel_supports(q: torch.Tensor, cache: torch.Tensor) -> bool:
     """Whether the kernel handles these dtypes and head size (else use the PyTorch path)."""
     return (
-        q.dtype in DTYPES
-        and cache.dtype == q.dtype
+        cache_dtype_code(q.dtype, cache.dtype) is not None
         and q.shape[-1] in _HEAD_DIMS
         and q.shape[1] % cache.shape[1] == 0
         and q.device.type == "cpu"
@@ -32,7 +31,8 @@ def kernel_attention(
     want_lse: bool = False,
     extra: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """q [T, Hq, D], caches [S, Hkv, D] -> out [T, Hq, D] (and log-sum-exp [T, Hq] float32).
+    """q [T, Hq, D], caches [S, Hkv, D] (q's dtype, or bfloat16 under float32 q) -> out [T, Hq, D]
+    in q's dtype (and log-sum-exp [T, Hq] float32).
 
     ``extra`` = (k, v) [T, Hkv, D]: every query of sequence r also sees the rows of its own query
     rows in k / v, unmasked (the drafter's block attending to itself bidirectionally)."""
@@ -49,8 +49,10 @@ def kernel_attention(
     t, hq, d = q.shape
     out = torch.empty_like(q)
     lse = torch.empty(t, hq, dtype=torch.float32) if want_lse else None
+    code = cache_dtype_code(q.dtype, k_cache.dtype)
+    assert code is not None
     rc = lib.dspark_paged_attention(
-        DTYPES[q.dtype],
+        code,
         q.data_ptr(),
         k_cache.data_ptr(),
         v_cache.data_ptr(),

@@ -16,7 +16,7 @@ from torch import nn
 
 from dspark_server.config import ModelConfig
 from dspark_server.models import layer_ops
-from dspark_server.models.attention import AttentionBackend, PagedAttention
+from dspark_server.models.attention import AttentionBackend, KVPool, PagedAttention
 from dspark_server.models.fused_forward import (
     DecoderShape,
     DecoderWeights,
@@ -246,6 +246,13 @@ class TargetModel(nn.Module):
             stack.rotary.inv_freq,
         )
         self._fused = FusedForward.build(lib, DecoderShape.of(self.config), weights, weight_dtype)
+
+    def serves_pool(self, pool: KVPool) -> bool:
+        """Whether inference forwards can run over ``pool``: one of the activations' dtype always;
+        a bfloat16 KV cache under float32 activations only through the fused forward."""
+        if pool.k.dtype == self.lm_head.weight.dtype:
+            return True
+        return self._fused is not None and self._fused.reads(pool)
 
     def _kernels_apply(self, x: torch.Tensor, attn: AttentionBackend) -> bool:
         return (

@@ -12,8 +12,10 @@
 // weight stored column-major, i.e. its [K, N] transpose contiguous).
 //
 // Weight-only bf16 (weight_bf16 = 1): every GEMM weight is bfloat16 in linear_bf16.cpp's packed
-// layout, for decode, verification blocks and prefill chunks alike (gemm.h). Activations, norms,
-// the KV cache and the logits stay float32; x is rounded to bf16 at each GEMM's input.
+// layout, for decode, verification blocks and prefill chunks alike (gemm.h). Activations, norms
+// and the logits stay float32; x is rounded to bf16 at each GEMM's input. A bfloat16 KV cache
+// (kv_bf16 = 1) halves the bytes attention reads: at 64 decoding requests over ~500 cached
+// tokens, reading the float32 pool was most of a forward.
 #include <math.h>
 #include <stdint.h>
 #include <stdlib.h>
@@ -53,7 +55,10 @@ int dspark_decoder_forward_f32(
     // final norm's output of `rows` [nrows, hidden], or null
     int block_mode, float* normed_out, int nthreads,
     // weight-only bf16: `weights` and `lm_wt` point to packed bf16 layouts
-    int weight_bf16) {
+    int weight_bf16,
+    // a bfloat16 KV pool (`caches`): keys and values are rounded to bf16 as they are stored and
+    // read back as float32 (block mode's own keys and values stay float32 either way)
+    int kv_bf16) {
   Sgemm sgemm = reinterpret_cast<Sgemm>(sgemm_fn);
   if (!sgemm || tokens <= 0 || hidden <= 0 || layers <= 0) return 1;
   const int64_t qkv_w = (hq + 2 * hkv) * d, big = qkv_w > 2 * inter ? qkv_w : 2 * inter;
@@ -86,11 +91,11 @@ int dspark_decoder_forward_f32(
     rc = dspark_rms_norm(0, x, nullptr, nullptr, w[0], h, tokens, hidden, eps, nthreads);
     if (rc) break;
     if ((rc = linear(g, h, tokens, hidden, w[1], qkv_w, wide, false))) break;
-    rc = dspark_qk_norm_rope_store(0, wide, tokens, hq, hkv, d, positions, inv_freq, w[2], qk_eps,
+    rc = dspark_qk_norm_rope_store(block_mode || !kv_bf16 ? 0 : 2, wide, tokens, hq, hkv, d, positions, inv_freq, w[2], qk_eps,
                                    block_mode ? self_slots : slot_mapping, block_mode ? kx : kc,
                                    block_mode ? vx : vc, q, nthreads);
     if (rc) break;
-    rc = dspark_paged_attention(0, q, kc, vc, kv_slots, kmax, q_start, q_len, kv_limit, kx, vx, nseq, hq, hkv, d, scale,
+    rc = dspark_paged_attention(kv_bf16 ? 2 : 0, q, kc, vc, kv_slots, kmax, q_start, q_len, kv_limit, kx, vx, nseq, hq, hkv, d, scale,
                                 att, nullptr, nthreads);
     if (rc) break;
     if ((rc = linear(g, att, tokens, hq * d, w[3], hidden, tmp, false))) break;

@@ -44,15 +44,17 @@ void rms_norm(const T* x, const T* delta, T* sum_out, const T* w, T* out, int64_
 // One token's packed q|k|v heads [hq + 2 hkv, d]: q and k heads RMS-normalised per head (when
 // qk_w is given, weights [hq + hkv, d]) and rotated (rotate-half layout, angle pos * inv_freq);
 // q goes to q_out [hq, d], k and v to the pool slot.
-template <typename T>
+// T: the activations' storage type (qkv, q/k norm weights, q_out); C: the caches' (T, or
+// bfloat16 under float32 activations: keys and values are rounded once, as they are stored).
+template <typename T, typename C = T>
 void qk_norm_rope_store(const T* qkv, int64_t tokens, int64_t hq, int64_t hkv, int64_t d, const int64_t* positions,
-                        const float* inv_freq, const T* qk_w, float eps, const int64_t* slots, T* k_cache,
-                        T* v_cache, T* q_out, int nthreads) {
+                        const float* inv_freq, const T* qk_w, float eps, const int64_t* slots, C* k_cache,
+                        C* v_cache, T* q_out, int nthreads) {
   const int64_t half = d / 2, width = (hq + 2 * hkv) * d;
 #pragma omp parallel for num_threads(nthreads) if (tokens * width >= kParallelWork)
   for (int64_t t = 0; t < tokens; ++t) {
-    float* buf = static_cast<float*>(malloc(sizeof(float) * 3 * d));
-    float *c = buf, *s = buf + d, *x = buf + 2 * d;
+    float* buf = static_cast<float*>(malloc(sizeof(float) * 4 * d));
+    float *c = buf, *s = buf + d, *x = buf + 2 * d;  // x: the normed row, then its rotation
     const float pos = static_cast<float>(positions[t]);
     for (int64_t j = 0; j < half; ++j) {
       const float f = pos * inv_freq[j];
@@ -70,16 +72,19 @@ void qk_norm_rope_store(const T* qkv, int64_t tokens, int64_t hq, int64_t hkv, i
       } else {
         for (int64_t j = 0; j < d; ++j) x[j] = load(src, j);
       }
-      T* dst = h < hq ? q_out + (t * hq + h) * d : k_cache + (slots[t] * hkv + (h - hq)) * d;
       for (int64_t j = 0; j < d; ++j) {
         const float rot = j < half ? -x[j + half] : x[j - half];
-        store(dst, j, round_to<T>(x[j] * c[j]) + round_to<T>(rot * s[j]));
+        x[d + j] = round_to<T>(x[j] * c[j]) + round_to<T>(rot * s[j]);
       }
+      if (h < hq)
+        for (int64_t j = 0; j < d; ++j) store(q_out + (t * hq + h) * d, j, x[d + j]);
+      else
+        for (int64_t j = 0; j < d; ++j) store(k_cache + (slots[t] * hkv + (h - hq)) * d, j, x[d + j]);
     }
     for (int64_t h = 0; h < hkv; ++h) {
       const T* src = row + (hq + hkv + h) * d;
-      T* dst = v_cache + (slots[t] * hkv + h) * d;
-      for (int64_t j = 0; j < d; ++j) dst[j] = src[j];
+      C* dst = v_cache + (slots[t] * hkv + h) * d;
+      for (int64_t j = 0; j < d; ++j) store(dst, j, load(src, j));
     }
     free(buf);
   }
@@ -104,7 +109,7 @@ void silu_mul(const T* gate_up, T* out, int64_t rows, int64_t inter, int nthread
 extern "C" {
 
 // dtype 0: float32, 1: bfloat16 for every tensor argument except positions / slots (int64) and
-// inv_freq (float32). Each returns 0, or 3 for an unknown dtype. Optional pointers may be null.
+// inv_freq (float32); qk_norm_rope_store also takes 2: float32 activations, bfloat16 caches. Each returns 0, or 3 for an unknown dtype. Optional pointers may be null.
 int dspark_rms_norm(int dtype, const void* x, const void* delta, void* sum_out, const void* w, void* out,
                     int64_t rows, int64_t dim, float eps, int nthreads) {
   if (dtype == 0)
@@ -129,6 +134,10 @@ int dspark_qk_norm_rope_store(int dtype, const void* qkv, int64_t tokens, int64_
     qk_norm_rope_store(static_cast<const uint16_t*>(qkv), tokens, hq, hkv, d, positions, inv_freq,
                        static_cast<const uint16_t*>(qk_w), eps, slots, static_cast<uint16_t*>(k_cache),
                        static_cast<uint16_t*>(v_cache), static_cast<uint16_t*>(q_out), nthreads);
+  else if (dtype == 2)  // float32 activations, bfloat16 caches
+    qk_norm_rope_store(static_cast<const float*>(qkv), tokens, hq, hkv, d, positions, inv_freq,
+                       static_cast<const float*>(qk_w), eps, slots, static_cast<uint16_t*>(k_cache),
+                       static_cast<uint16_t*>(v_cache), static_cast<float*>(q_out), nthreads);
   else
     return 3;
   return 0;

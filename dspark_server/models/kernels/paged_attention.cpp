@@ -28,21 +28,23 @@ constexpr int64_t kTile = 16;   // query rows per work item
 constexpr int64_t kBlock = 16;  // keys per online-softmax update (one AVX-512 vector of scores)
 constexpr float kNegBig = -1e30f;
 
-template <typename T>
+// TQ: the queries' (and output's, extra keys') storage type; TC: the pool's (TQ, or bfloat16
+// under float32 queries: a bfloat16 KV cache read by float32 activations).
+template <typename TQ, typename TC>
 struct Args {
-  const T* q;             // [T, hq, D]
-  const T* kc;            // [S, hkv, D] the layer's pool
-  const T* vc;
+  const TQ* q;            // [T, hq, D]
+  const TC* kc;           // [S, hkv, D] the layer's pool
+  const TC* vc;
   const int64_t* slots;   // [nseq, kmax]
   int64_t kmax;
   const int64_t* q_start;  // [nseq]
   const int64_t* q_len;    // [nseq]
   const int64_t* kv_limit;  // [T]
-  const T* kx;            // [T, hkv, D] or null: extra keys / values, see above
-  const T* vx;
+  const TQ* kx;           // [T, hkv, D] or null: extra keys / values, see above
+  const TQ* vx;
   int64_t nseq, hq, hkv;
   float scale;
-  T* out;                 // [T, hq, D]
+  TQ* out;                // [T, hq, D]
   float* lse;             // [T, hq] or null
 };
 
@@ -63,7 +65,7 @@ struct Item {
 
 // Key / value rows of one kv head for key positions kb .. kb + n, as float32 row pointers (into
 // the pool for float32, into converted buffers for bfloat16); rows n .. kBlock point at zeros.
-template <typename T, int64_t D>
+template <int64_t D>
 struct KeyBlock {
   alignas(64) float k[kBlock * D];
   alignas(64) float v[kBlock * D];
@@ -71,6 +73,7 @@ struct KeyBlock {
   const float* kp[kBlock];
   const float* vp[kBlock];
   // Rows slots[j] (or first + j when slots is null) of kc / vc, for j < n.
+  template <typename T>
   void fill(const T* kc, const T* vc, const int64_t* slots, int64_t first, int64_t n, int64_t hkv, int64_t h) {
     for (int64_t j = 0; j < n; ++j) {
       const int64_t off = ((slots ? slots[j] : first + j) * hkv + h) * D;
@@ -184,8 +187,8 @@ inline void pv(Item& it, int64_t qv0, const float* const* vp, int64_t n) {
 
 // One block of n keys: query vector qv sees its first min(lim[qv] - kb, n) (all n when kb < 0).
 // (Inlined into key_loop: as a call it runs about 30% slower for verification blocks.)
-template <typename T, int64_t D>
-__attribute__((always_inline)) inline void process_block(Item& it, const KeyBlock<T, D>& blk, int64_t n,
+template <int64_t D>
+__attribute__((always_inline)) inline void process_block(Item& it, const KeyBlock<D>& blk, int64_t n,
                                                          int64_t kb) {
   alignas(64) float s[kBlock];
   for (int64_t qv = 0; qv < it.nv; ++qv) {
@@ -232,25 +235,25 @@ __attribute__((always_inline)) inline void process_block(Item& it, const KeyBloc
 }
 
 // The pool keys 0 .. kend of sequence r (slots), then its extra keys if any, for kv head h.
-template <typename T, int64_t D>
-void key_loop(Item& it, const Args<T>& a, int64_t r, int64_t kend, int64_t h) {
-  KeyBlock<T, D> blk;
+template <typename TQ, typename TC, int64_t D>
+void key_loop(Item& it, const Args<TQ, TC>& a, int64_t r, int64_t kend, int64_t h) {
+  KeyBlock<D> blk;
   const int64_t* slots = a.slots + r * a.kmax;
   for (int64_t kb = 0; kb < kend; kb += kBlock) {
     const int64_t n = kend - kb < kBlock ? kend - kb : kBlock;
     blk.fill(a.kc, a.vc, slots + kb, 0, n, a.hkv, h);
-    process_block<T, D>(it, blk, n, kb);
+    process_block<D>(it, blk, n, kb);
   }
   if (a.kx == nullptr) return;
   for (int64_t e = 0; e < a.q_len[r]; e += kBlock) {
     const int64_t n = a.q_len[r] - e < kBlock ? a.q_len[r] - e : kBlock;
     blk.fill(a.kx, a.vx, nullptr, a.q_start[r] + e, n, a.hkv, h);
-    process_block<T, D>(it, blk, n, -1);
+    process_block<D>(it, blk, n, -1);
   }
 }
 
-template <typename T, int64_t D>
-void work_item(const Args<T>& a, int64_t r, int64_t row0, int64_t nrows, int64_t h) {
+template <typename TQ, typename TC, int64_t D>
+void work_item(const Args<TQ, TC>& a, int64_t r, int64_t row0, int64_t nrows, int64_t h) {
   const int64_t rep = a.hq / a.hkv;
   Item it;
   it.nv = nrows * rep;
@@ -267,20 +270,20 @@ void work_item(const Args<T>& a, int64_t r, int64_t row0, int64_t nrows, int64_t
     if (a.kv_limit[t] > kend) kend = a.kv_limit[t];
     for (int64_t g = 0; g < rep; ++g) {
       const int64_t qv = i * rep + g;
-      const T* src = a.q + (t * a.hq + h * rep + g) * D;
+      const TQ* src = a.q + (t * a.hq + h * rep + g) * D;
 #pragma omp simd
       for (int64_t d = 0; d < D; ++d) it.q[qv * D + d] = load(src, d) * a.scale;
       it.m[qv] = kNegBig;
       it.lim[qv] = a.kv_limit[t];
     }
   }
-  key_loop<T, D>(it, a, r, kend, h);
+  key_loop<TQ, TC, D>(it, a, r, kend, h);
   for (int64_t i = 0; i < nrows; ++i) {
     const int64_t t = row0 + i;
     for (int64_t g = 0; g < rep; ++g) {
       const int64_t qv = i * rep + g, head = h * rep + g;
       const float inv = it.l[qv] > 0.f ? 1.f / it.l[qv] : 0.f;
-      T* dst = a.out + (t * a.hq + head) * D;
+      TQ* dst = a.out + (t * a.hq + head) * D;
       for (int64_t d = 0; d < D; ++d) store(dst, d, it.acc[qv * D + d] * inv);
       if (a.lse) a.lse[t * a.hq + head] = it.l[qv] > 0.f ? it.m[qv] + logf(it.l[qv]) : kNegBig;
     }
@@ -289,8 +292,8 @@ void work_item(const Args<T>& a, int64_t r, int64_t row0, int64_t nrows, int64_t
   free(it.lim);
 }
 
-template <typename T, int64_t D>
-void run(const Args<T>& a, int nthreads) {
+template <typename TQ, typename TC, int64_t D>
+void run(const Args<TQ, TC>& a, int nthreads) {
   // Work items in order (sequence, tile, kv head); first_item[r] is sequence r's first item.
   int64_t* first_item = static_cast<int64_t*>(malloc(sizeof(int64_t) * (a.nseq + 1)));
   first_item[0] = 0;
@@ -306,42 +309,42 @@ void run(const Args<T>& a, int nthreads) {
     const int64_t r = lo, local = it - first_item[r];
     const int64_t tile = local / a.hkv, h = local % a.hkv;
     const int64_t rows_left = a.q_len[r] - tile * kTile;
-    work_item<T, D>(a, r, a.q_start[r] + tile * kTile, rows_left < kTile ? rows_left : kTile, h);
+    work_item<TQ, TC, D>(a, r, a.q_start[r] + tile * kTile, rows_left < kTile ? rows_left : kTile, h);
   }
   free(first_item);
 }
 
-template <typename T>
-int dispatch(int64_t d, const Args<T>& a, int nthreads) {
+template <typename TQ, typename TC>
+int dispatch(int64_t d, const Args<TQ, TC>& a, int nthreads) {
   switch (d) {
-    case 16: run<T, 16>(a, nthreads); return 0;
-    case 32: run<T, 32>(a, nthreads); return 0;
-    case 64: run<T, 64>(a, nthreads); return 0;
-    case 80: run<T, 80>(a, nthreads); return 0;
-    case 96: run<T, 96>(a, nthreads); return 0;
-    case 128: run<T, 128>(a, nthreads); return 0;
-    case 256: run<T, 256>(a, nthreads); return 0;
+    case 16: run<TQ, TC, 16>(a, nthreads); return 0;
+    case 32: run<TQ, TC, 32>(a, nthreads); return 0;
+    case 64: run<TQ, TC, 64>(a, nthreads); return 0;
+    case 80: run<TQ, TC, 80>(a, nthreads); return 0;
+    case 96: run<TQ, TC, 96>(a, nthreads); return 0;
+    case 128: run<TQ, TC, 128>(a, nthreads); return 0;
+    case 256: run<TQ, TC, 256>(a, nthreads); return 0;
     default: return 1;
   }
 }
 
-template <typename T>
+template <typename TQ, typename TC = TQ>
 int call(int64_t d, const void* q, const void* kc, const void* vc, const int64_t* slots, int64_t kmax,
          const int64_t* q_start, const int64_t* q_len, const int64_t* kv_limit, const void* kx, const void* vx,
          int64_t nseq, int64_t hq, int64_t hkv, float scale, void* out, float* lse, int nthreads) {
-  const Args<T> a{static_cast<const T*>(q),  static_cast<const T*>(kc), static_cast<const T*>(vc), slots, kmax,
-                  q_start, q_len, kv_limit, static_cast<const T*>(kx), static_cast<const T*>(vx), nseq, hq, hkv,
-                  scale, static_cast<T*>(out), lse};
-  return dispatch<T>(d, a, nthreads);
+  const Args<TQ, TC> a{static_cast<const TQ*>(q), static_cast<const TC*>(kc), static_cast<const TC*>(vc), slots,
+                       kmax, q_start, q_len, kv_limit, static_cast<const TQ*>(kx), static_cast<const TQ*>(vx),
+                       nseq, hq, hkv, scale, static_cast<TQ*>(out), lse};
+  return dispatch<TQ, TC>(d, a, nthreads);
 }
 
 }  // namespace
 
 extern "C" {
 
-// dtype 0: float32, 1: bfloat16 (q, caches, kx / vx and out share it). Returns 0, 1 for an
-// unsupported head_dim (the caller then uses the PyTorch path), 2 / 3 for bad heads / dtype.
-// kx, vx and lse may be null.
+// dtype 0: float32, 1: bfloat16 (q, caches, kx / vx and out share it), 2: float32 q, kx / vx
+// and out over bfloat16 caches. Returns 0, 1 for an unsupported head_dim (the caller then uses
+// the PyTorch path), 2 / 3 for bad heads / dtype. kx, vx and lse may be null.
 int dspark_paged_attention(int dtype, const void* q, const void* kc, const void* vc, const int64_t* slots,
                            int64_t kmax, const int64_t* q_start, const int64_t* q_len, const int64_t* kv_limit,
                            const void* kx, const void* vx, int64_t nseq, int64_t hq, int64_t hkv, int64_t d,
@@ -353,6 +356,9 @@ int dspark_paged_attention(int dtype, const void* q, const void* kc, const void*
   if (dtype == 1)
     return call<uint16_t>(d, q, kc, vc, slots, kmax, q_start, q_len, kv_limit, kx, vx, nseq, hq, hkv, scale, out,
                           lse, nthreads);
+  if (dtype == 2)
+    return call<float, uint16_t>(d, q, kc, vc, slots, kmax, q_start, q_len, kv_limit, kx, vx, nseq, hq, hkv, scale,
+                                 out, lse, nthreads);
   return 3;
 }
 
