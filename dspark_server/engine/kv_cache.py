@@ -97,6 +97,17 @@ class PageAllocator:
         slots = (pages[:, :, None] * ps + np.arange(ps)).reshape(r, width * ps)[:, :kmax]
         return np.where(np.arange(kmax)[None, :] < lengths[:, None], slots, 0)
 
+    def slot_run(self, table: PageTable, start: int, count: int) -> np.ndarray:
+        """[count] int64: the slots of positions start .. start + count - 1 (reserved pages)."""
+        end = start + count
+        if end > len(table.pages) * self.page_size:
+            raise ValueError(f"positions up to {end} are not reserved ({len(table.pages)} pages)")
+        ps = self.page_size
+        first = start // ps
+        pages = np.asarray(table.pages[first : -(-end // ps)], dtype=np.int64)
+        at = np.arange(start, end)
+        return pages[at // ps - first] * ps + at % ps
+
     def slots_at(self, table: PageTable, positions: torch.Tensor) -> torch.Tensor:
         """Slot indices of the given positions (pages must already be reserved)."""
         if positions.numel() and int(positions.max()) >= len(table.pages) * self.page_size:

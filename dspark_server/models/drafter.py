@@ -317,6 +317,13 @@ class DSparkDrafter(nn.Module):
         """Raw confidence logits [...] (float32) from hidden [..., H] and x_{k-1} [...]."""
         if self.confidence_head is None:
             return None
+        if hidden.device.type == "cpu" and hidden.dtype == torch.float32 and not torch.is_grad_enabled():
+            w1 = None
+            if self.config.confidence_head_with_markov:
+                assert self.markov_head is not None
+                w1 = self.markov_head.markov_w1.weight
+            if w1 is None or w1.dtype == torch.float32:
+                return self.confidence_head.serving_logits(hidden, prev_tokens.long(), w1)
         emb = None
         if self.config.confidence_head_with_markov:
             assert self.markov_head is not None

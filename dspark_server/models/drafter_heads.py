@@ -18,6 +18,7 @@ from __future__ import annotations
 import ctypes
 from typing import NamedTuple
 
+import numpy as np
 import torch
 from torch import nn
 
@@ -225,10 +226,36 @@ class ConfidenceHead(nn.Module):
     def __init__(self, input_dim: int) -> None:
         super().__init__()
         self.proj = nn.Linear(input_dim, 1)
+        self._table: tuple[tuple[int, ...], np.ndarray] | None = None  # serving_logits' per-token term
 
     def forward(self, hidden: torch.Tensor, prev_emb: torch.Tensor | None) -> torch.Tensor:
         feats = hidden if prev_emb is None else torch.cat([hidden, prev_emb.to(hidden.dtype)], dim=-1)
         return self.proj(feats.to(self.proj.weight.dtype)).squeeze(-1).float()
+
+    def serving_logits(
+        self, hidden: torch.Tensor, prev_tokens: torch.Tensor, markov_w1: torch.Tensor | None
+    ) -> torch.Tensor:
+        """``forward`` for inference on float32 CPU tensors, from the tokens x_{k-1} themselves:
+        w^T [h; W1[x]] + b = w_h^T h + (W1 w_e + b)[x], whose per-token term is computed once per
+        weight version. A few NumPy calls instead of an embedding, a concatenation and a linear
+        layer (equal up to float32 summation order)."""
+        w = self.proj.weight.detach()
+        b = self.proj.bias
+        h = hidden.shape[-1]
+        out = hidden.detach().contiguous().numpy() @ w[0, :h].numpy()
+        if markov_w1 is None:
+            return torch.from_numpy(out + (float(b) if b is not None else 0.0)).float()
+        key = (
+            w.data_ptr(),
+            w._version,
+            markov_w1.data_ptr(),
+            markov_w1._version,
+            -1 if b is None else b._version,
+        )
+        if self._table is None or self._table[0] != key:
+            table = markov_w1.detach().numpy() @ w[0, h:].numpy()
+            self._table = (key, table + (float(b) if b is not None else 0.0))
+        return torch.from_numpy(out + self._table[1][prev_tokens.numpy()]).float()
 
 
 def build_markov_head(cfg: DraftConfig) -> MarkovHead | None:

@@ -12,6 +12,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from dspark_server.engine.kv_cache import PageAllocator, PageTable
@@ -21,6 +22,7 @@ from dspark_server.engine.scheduler import ScheduledChunk
 from dspark_server.engine.spec.deferred_context import DeferredContext, Run
 from dspark_server.models.attention import KVPool
 from dspark_server.models.drafter import DSparkDrafter
+from dspark_server.models.row_ops import take_rows
 
 
 @dataclass(frozen=True)
@@ -98,7 +100,17 @@ class ContextWrites:
             return
         hidden = forward.output.hidden
         assert hidden is not None
-        packed = torch.cat([torch.arange(r.row, r.row + r.count) for r in rows])
-        positions = torch.cat([torch.arange(r.position, r.position + r.count) for r in rows])
-        slots = torch.cat([alloc.slots(r.table, r.position, r.position + r.count) for r in rows])
-        self.drafter.write_context(hidden[packed], positions, slots, self.pool)
+        # NumPy index vectors: a drafting step at one request wrote one short run with nine
+        # tensor ops; the slots come from each table's page list
+        counts = np.fromiter((r.count for r in rows), dtype=np.int64, count=len(rows))
+        within = np.arange(int(counts.sum())) - np.repeat(np.cumsum(counts) - counts, counts)
+        packed = (
+            np.repeat(np.fromiter((r.row for r in rows), dtype=np.int64, count=len(rows)), counts) + within
+        )
+        positions = np.repeat(
+            np.fromiter((r.position for r in rows), dtype=np.int64, count=len(rows)), counts
+        )
+        positions = positions + within
+        slots = np.concatenate([alloc.slot_run(r.table, r.position, r.count) for r in rows])
+        features = take_rows(hidden, torch.from_numpy(packed))
+        self.drafter.write_context(features, torch.from_numpy(positions), torch.from_numpy(slots), self.pool)

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from dspark_server.engine.batch import SeqChunk
@@ -55,18 +56,19 @@ def verify_forward(
     tail = [ell + 1 for ell in lens] + [1] * len(plain) + [1 if c.completes else 0 for c in prefills]
     forward = runner.forward(chunks, tail, capture_layers=capture_layers)
     logits = forward.output.logits
-    ends = torch.tensor(tail, dtype=torch.long).cumsum(0).tolist()
-    starts = [0] + ends[:-1]
+    ends_np = np.cumsum(tail, dtype=np.int64)
+    starts_np = ends_np - np.asarray(tail, dtype=np.int64)
+    ends, starts = ends_np.tolist(), starts_np.tolist()
     n = len(decodes)
     if not any(lens):  # nothing to verify: the plain path's sampler, as is
-        last = take_rows(logits, torch.tensor(starts[:n]))
+        last = take_rows(logits, torch.from_numpy(starts_np[:n]))
         gens, keys = [r.generator for r in decodes], [r.noise_key for r in decodes]
         outcome = VerifyOutcome([0] * n, sample_from_logits(last, sampling, gens, keys).tolist())
     else:
         # Every request's ℓ_r + 1 rows, padded to the step's widest block: [R, L + 1].
         width = max(lens) + 1
-        index = torch.tensor(starts[:n])[:, None] + torch.arange(width)[None, :]
-        index = torch.minimum(index, torch.tensor(ends[:n])[:, None] - 1)
+        rows = np.minimum(starts_np[:n, None] + np.arange(width)[None, :], ends_np[:n, None] - 1)
+        index = torch.from_numpy(rows)
         if sampling.all_greedy:  # accept while the draft equals the target argmax
             # argmax over the drafting requests' rows only (they come first in the batch)
             outcome = verify_greedy(drafts.tokens, row_argmax(logits[: ends[n - 1]])[index], lens)
