@@ -205,8 +205,9 @@ class LLMEngine:
         self.stats.record_batch(result.forward.batch.num_tokens, result.forward.seconds)
         kept = [self.commit(d.request, d.tokens, d.spec_round) for d in result.decodes]
         completing = [c.request for c in sched.prefills if c.completes]
-        rows = torch.tensor(result.plain_rows + result.prefill_rows, dtype=torch.long)
-        self._sample_next(result.plain + completing, take_rows(result.forward.output.logits, rows))
+        if result.plain or completing:
+            rows = torch.tensor(result.plain_rows + result.prefill_rows, dtype=torch.long)
+            self._sample_next(result.plain + completing, take_rows(result.forward.output.logits, rows))
         ended = time.perf_counter()
         seconds = ended - t0
         self._decode_step_end = (len(sched.decodes), not plain, ended)

@@ -21,6 +21,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import cast
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -237,9 +238,10 @@ class DSparkDrafter(nn.Module):
         """One parallel pass for R requests: anchor_tokens [R], anchor_positions [R] (position of
         the anchor == number of committed tokens before it), ctx from ``DraftContext``."""
         r, g = anchor_tokens.shape[0], self.gamma
-        ids = torch.full((r, g), self.config.mask_token_id, dtype=torch.long)
-        ids[:, 0] = anchor_tokens
-        pos = (anchor_positions.long()[:, None] + torch.arange(g)).reshape(-1)
+        block_ids = np.full((r, g), self.config.mask_token_id, dtype=np.int64)  # NumPy: ~1 µs a call
+        block_ids[:, 0] = anchor_tokens.long().numpy()
+        ids = torch.from_numpy(block_ids)
+        pos = torch.from_numpy((anchor_positions.long().numpy()[:, None] + np.arange(g)).reshape(-1))
         fused = self._fused
         if fused is not None and not torch.is_grad_enabled() and fused.reads(pool):
             logits, normed = fused.block(

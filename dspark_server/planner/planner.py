@@ -86,7 +86,9 @@ def survival_position_major(survival: np.ndarray, gamma: int | None = None) -> n
         raise ValueError(f"survival must be [R, gamma], got shape {a.shape}")
     if gamma is not None and a.shape[1] != gamma:
         raise ValueError(f"survival has {a.shape[1]} positions, planner gamma is {gamma}")
-    a = np.clip(np.nan_to_num(a.astype(np.float32), nan=0.0), 0.0, 1.0)
+    # NaN -> 0 and clamped into [0, 1] in two ufuncs (np.minimum keeps NaN, np.fmax drops it);
+    # np.nan_to_num + np.clip cost ~10x more at one request
+    a = np.fmax(np.minimum(a.astype(np.float32), np.float32(1.0)), np.float32(0.0))
     return np.ascontiguousarray(np.minimum.accumulate(a, axis=1).T)
 
 
@@ -281,7 +283,10 @@ class DSparkPlanner(VerifyPlanner):
         num_requests = surv.shape[1]
         if num_requests == 0:
             return PlanResult(torch.zeros(0, dtype=torch.int64), 0, 0.0, 0.0)
-        values, order = _ranked_candidates(surv)
+        if num_requests == 1:  # one request: its survival is non-increasing, already in rank order
+            values, order = surv[:, 0].astype(np.float64), np.arange(surv.shape[0])
+        else:
+            values, order = _ranked_candidates(surv)
         tau = np.empty(values.size + 1)
         tau[0] = 0.0
         np.cumsum(values, out=tau[1:])

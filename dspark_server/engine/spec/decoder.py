@@ -410,11 +410,11 @@ class SpeculativeDecoder:
         tracker and the round observers."""
         if not rows:
             return
-        at = torch.tensor(rows, dtype=torch.long)
         accepted, lens = [outcome.accepted[i] for i in rows], [plan.lens[i] for i in rows]
         if plan.survival is not None:
             self.drift.record_arrays(plan.survival[rows], np.asarray(accepted), np.asarray(lens))
         if self.round_observers:
+            at = torch.tensor(rows, dtype=torch.long)
             logits = drafts.confidence_logits[at] if drafts.confidence_logits is not None else None
             all_confidences = plan.confidences()
             confidences = all_confidences[at] if all_confidences is not None else None

@@ -71,7 +71,8 @@ def verify_forward(
         index = torch.from_numpy(rows)
         if sampling.all_greedy:  # accept while the draft equals the target argmax
             # argmax over the drafting requests' rows only (they come first in the batch)
-            outcome = verify_greedy(drafts.tokens, row_argmax(logits[: ends[n - 1]])[index], lens)
+            argmax = row_argmax(logits[: ends[n - 1]]).numpy()[rows]
+            outcome = verify_greedy(drafts.tokens, torch.from_numpy(argmax), lens)
         else:
             rows = take_rows(logits, index)  # [R, L + 1, V]
             flat = shape_probs(
