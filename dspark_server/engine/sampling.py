@@ -21,6 +21,7 @@ import torch
 
 from dspark_server.engine.noise import NoiseKey, keyed_argmax
 from dspark_server.engine.request import GREEDY_BELOW, SamplingParams
+from dspark_server.engine.uniforms import draw_uniforms
 from dspark_server.models.kernel_library import load_library
 from dspark_server.models.row_ops import row_argmax
 
@@ -126,11 +127,7 @@ def sample(
     one inverse-CDF draw with a uniform from their request's own generator (``uniforms`` [N]:
     drawn beforehand, e.g. one call per request for a whole draft block)."""
     if uniforms is None:
-        uniforms = (
-            torch.stack([torch.rand((), generator=g) for g in generators])
-            if len(generators)
-            else torch.zeros(0)
-        )
+        uniforms = draw_uniforms(generators, 1)[:, 0]
     out = inverse_cdf(probs, uniforms)
     for i, key in enumerate(keys or ()):
         if key is not None:
@@ -149,7 +146,7 @@ def _sample_temperature(
         return None
     x = logits.contiguous()
     temps = temperature.float().contiguous()
-    uniforms = torch.stack([torch.rand((), generator=g) for g in generators]).double().contiguous()
+    uniforms = draw_uniforms(generators, 1)[:, 0].contiguous()
     out = torch.empty(x.shape[0], dtype=torch.long)
     rc = lib.dspark_sample_temperature(
         x.data_ptr(),

@@ -15,6 +15,7 @@ import torch
 
 from dspark_server.engine.noise import NoiseKey
 from dspark_server.engine.sampling import SamplingTensors, sample, shape_probs
+from dspark_server.engine.uniforms import draw_uniforms
 from dspark_server.models.drafter import DraftBlock, DSparkDrafter
 from dspark_server.models.row_ops import row_argmax
 
@@ -43,7 +44,7 @@ def sample_drafts(
         if fast is not None:
             return _from_kernel(drafter, block, anchors, fast, None)
     # one draw per request for the whole block: x_k uses column k
-    uniforms = None if greedy else torch.stack([torch.rand(gamma, generator=g) for g in generators])
+    uniforms = None if greedy else draw_uniforms(generators, gamma)
     temperature_only = not (sampling.any_greedy or sampling.any_top_k or sampling.any_top_p)
     if uniforms is not None and temperature_only and all(key is None for key in keys):
         sampled = drafter.sampled_tokens(block.logits[:, :gamma], anchors, sampling.temperature, uniforms)

@@ -27,6 +27,7 @@ import torch
 
 from dspark_server.engine.noise import NoiseKey, keyed_argmax
 from dspark_server.engine.sampling import inverse_cdf
+from dspark_server.engine.uniforms import draw_uniforms
 
 
 @dataclass(frozen=True)
@@ -75,7 +76,7 @@ def verify_padded(
     width = int(ell.max())  # L: positions any request verifies
     p = target_probs[:, : width + 1].float()
     rows = torch.arange(num)
-    uniforms = torch.stack([torch.rand(width + 1, generator=g) for g in generators])  # [R, L + 1]
+    uniforms = draw_uniforms(generators, width + 1)  # [R, L + 1]
     if width > 0:
         assert draft_probs is not None, "drafts to verify need the distribution they came from"
         x = draft_tokens[:, :width]
