@@ -17,6 +17,7 @@ from dspark_server.engine.engine import LLMEngine
 from dspark_server.engine.kv_cache import PageTable
 from dspark_server.engine.model_runner import ModelRunner
 from dspark_server.engine.request import SamplingParams
+from dspark_server.models.drafter import DraftContext
 from dspark_server.models.kernel_library import load_library
 from dspark_server.testing.tiny import build_tiny_drafter, build_tiny_model
 
@@ -61,6 +62,7 @@ def test_greedy_speculation_over_a_bf16_cache_equals_plain_decoding_over_it(pair
     for mode in ("fixed", "dspark"):
         engine = _engine(target, draft, mode, "bfloat16")
         assert engine.runner.pool.k.dtype == torch.bfloat16
+        assert engine.spec is not None and engine.spec.pool.k.dtype == torch.bfloat16  # the drafter's too
         assert _generate(engine, prompts) == ref, mode
         assert engine.stats.spec_accepted_tokens < engine.stats.spec_verified_tokens  # rejections happened
 
@@ -105,3 +107,31 @@ def test_auto_follows_the_weights_and_an_unreadable_cache_is_refused(
         ModelRunner(EngineConfig(**layered, kv_cache_dtype="bfloat16"))  # type: ignore[arg-type]
     monkeypatch.setenv("DSPARK_KV_CACHE_DTYPE", "bfloat16")
     assert ModelRunner(EngineConfig(**layered)).pool.k.dtype == torch.float32  # type: ignore[arg-type]
+
+
+def test_the_drafter_context_in_a_bf16_cache_is_the_float32_one_rounded(pair: tuple[Path, Path]) -> None:
+    """The drafter's context cache follows the target's: its fused write stores the float32
+    write's keys and values rounded to bf16, and its block pass over that cache equals, bit for
+    bit, the pass over a float32 cache holding the same rounded values."""
+    target, draft = pair
+    engine = _engine(target, draft, "fixed", "bfloat16")
+    assert engine.spec is not None
+    drafter, pool = engine.spec.drafter, engine.spec.pool
+    assert pool.k.dtype == torch.bfloat16
+    f32 = drafter.new_kv_pool(pool.num_slots, torch.float32)
+    g = torch.Generator().manual_seed(9)
+    features = torch.randn(40, drafter.config.context_dim, generator=g)
+    positions, slots = torch.arange(40), torch.arange(40) + 16
+    with torch.inference_mode():
+        drafter.write_context(features, positions, slots, pool)
+        drafter.write_context(features, positions, slots, f32)
+    assert torch.equal(pool.k[:, slots], f32.k[:, slots].bfloat16())
+    assert torch.equal(pool.v[:, slots], f32.v[:, slots].bfloat16())
+    rounded = drafter.new_kv_pool(pool.num_slots, torch.float32)
+    rounded.k.copy_(pool.k.float())
+    rounded.v.copy_(pool.v.float())
+    ctx = DraftContext(slots[None, :], torch.tensor([40]))
+    with torch.inference_mode():
+        block = drafter.backbone(torch.tensor([5]), torch.tensor([40]), ctx, pool)
+        ref = drafter.backbone(torch.tensor([5]), torch.tensor([40]), ctx, rounded)
+    assert torch.equal(block.logits, ref.logits) and torch.equal(block.hidden, ref.hidden)

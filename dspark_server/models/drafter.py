@@ -189,6 +189,15 @@ class DSparkDrafter(nn.Module):
         cfg = self.config
         return KVPool(len(self.layers), num_slots, cfg.num_key_value_heads, cfg.head_dim, dtype, impl=impl)
 
+    def serves_pool(self, pool: KVPool) -> bool:
+        """Whether inference can use ``pool`` as its context cache: one of the weights' dtype
+        always; a bfloat16 cache under float32 only where both fused calls (the block pass and the
+        context write) read it."""
+        if pool.k.dtype == self.fc.weight.dtype:
+            return True
+        fused, context = self._fused, self._fused_context
+        return fused is not None and context is not None and fused.reads(pool) and context.reads(pool)
+
     def embed(self, ids: torch.Tensor) -> torch.Tensor:
         return self.shared.embed_tokens(ids).to(self.fc.weight.dtype)
 

@@ -110,7 +110,8 @@ class FusedContextWrite:
         return cls(lib, sgemm, shape, fc, hidden_norm, layers, inv_freq, bf16)
 
     def reads(self, pool: KVPool) -> bool:
-        return pool.k.dtype == torch.float32 and int(pool.k.shape[0]) == self.num_layers
+        """Whether this write can store into ``pool`` (float32, or a bfloat16 KV cache)."""
+        return pool.k.dtype in (torch.float32, torch.bfloat16) and int(pool.k.shape[0]) == self.num_layers
 
     def __call__(
         self, features: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor, pool: KVPool
@@ -143,6 +144,7 @@ class FusedContextWrite:
             dst.data_ptr(),
             self._cache_addresses(pool).data_ptr(),
             torch.get_num_threads(),
+            int(pool.k.dtype == torch.bfloat16),
         )
         if rc != 0:
             raise RuntimeError(f"fused context write failed with code {rc}")

@@ -152,8 +152,8 @@ SIGNATURES = {  # every function returns an int status (0: done)
     "dspark_decoder_forward_f32": [_P, _I, *[_P] * 4, _I, *[_P] * 3, _I, _P, *[_I] * 6, _F, _F]
     + [*[_P] * 5, _I, _P, _I, _P, _P, _I, _P, _C, _P, _C, _C, _C],
     # sgemm; weight_bf16; tokens; features; cdim; fc, hidden_norm; hidden; eps;
-    # layers, hkv, d; k_eps; inv_freq, layer_table, positions, slots, caches; threads
-    "dspark_context_write_f32": [_P, _C, _I, _P, _I, *[_P] * 2, _I, _F, *[_I] * 3, _F, *[_P] * 5, _C],
+    # layers, hkv, d; k_eps; inv_freq, layer_table, positions, slots, caches; threads; kv_bf16
+    "dspark_context_write_f32": [_P, _C, _I, _P, _I, *[_P] * 2, _I, _F, *[_I] * 3, _F, *[_P] * 5, _C, _C],
     # sgemm; rows, g, vocab, rank; base, anchors, w1, w2, tokens; threads
     "dspark_markov_greedy_f32": [_P, *[_I] * 4, *[_P] * 5, _C],
     # rows, g, vocab, rank; base, anchors, w1, w2 (bf16), tokens; threads

@@ -46,7 +46,10 @@ def build_speculative(cfg: EngineConfig, runner: ModelRunner) -> SpeculativeDeco
     lib = load_library() if cfg.layer_kernels else None
     drafter.use_kernels(lib, fused=cfg.fused_forward, weight_dtype=runner.weight_dtype)
     gamma = spec.gamma or drafter.gamma
-    pool = drafter.new_kv_pool(runner.allocator.num_slots, runner.dtype, impl=cfg.attention_impl)
+    # the context cache in the target's KV dtype (a bfloat16 one where the fused calls read it)
+    pool = drafter.new_kv_pool(runner.allocator.num_slots, runner.pool.k.dtype, impl=cfg.attention_impl)
+    if not drafter.serves_pool(pool):
+        pool = drafter.new_kv_pool(runner.allocator.num_slots, runner.dtype, impl=cfg.attention_impl)
     table = resolve_sps_table(cfg, runner) if spec.mode == "dspark" else None
     planner = make_planner(PlannerConfig(mode=spec.mode, gamma=gamma, threshold=spec.threshold), table)
     live = LiveSpsTable(table, enabled=spec.live_sps_refresh) if table is not None else None

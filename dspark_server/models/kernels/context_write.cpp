@@ -4,7 +4,8 @@
 // of the drafter's pool — the steps of drafter.write_context's kernel path (fc, RMSNorm, then per
 // layer the k|v columns of the fused q|k|v weight and the K/V store), with the same GEMM
 // (gemm.h: float32 sgemm, or weight-only bf16) as the fused forwards. After every verification
-// step it writes the accepted tokens (a few rows), after a prefill chunk the whole chunk.
+// step it writes the accepted tokens (a few rows), after a prefill chunk the whole chunk. With
+// kv_bf16 the pool is bfloat16 (--kv-cache-dtype): keys and values are rounded as they are stored.
 #include <stdint.h>
 #include <stdlib.h>
 
@@ -25,7 +26,7 @@ int dspark_context_write_f32(void* sgemm_fn, int weight_bf16, int64_t tokens, co
                              int64_t cdim, const void* fc_w, const float* norm_w, int64_t hidden,
                              float eps, int64_t layers, int64_t hkv, int64_t d, float qk_eps, const float* inv_freq,
                              const int64_t* layer_table, const int64_t* positions, const int64_t* slots,
-                             const int64_t* caches, int nthreads) {
+                             const int64_t* caches, int nthreads, int kv_bf16) {
   if (!sgemm_fn || tokens <= 0 || cdim <= 0 || hidden <= 0 || layers <= 0 || hkv <= 0 || d <= 0) return 1;
   const int64_t kv_w = 2 * hkv * d;
   float* buf = static_cast<float*>(malloc(sizeof(float) * tokens * (2 * hidden + kv_w)));
@@ -42,7 +43,7 @@ int dspark_context_write_f32(void* sgemm_fn, int weight_bf16, int64_t tokens, co
       break;
     }
     if ((rc = dspark::linear(g, ctx, tokens, hidden, w, kv_w, kv, false, e[1]))) break;
-    rc = dspark_qk_norm_rope_store(0, kv, tokens, 0, hkv, d, positions, inv_freq,
+    rc = dspark_qk_norm_rope_store(kv_bf16 ? 2 : 0, kv, tokens, 0, hkv, d, positions, inv_freq,
                                    reinterpret_cast<const void*>(e[2]), qk_eps, slots,
                                    reinterpret_cast<void*>(caches[2 * l]), reinterpret_cast<void*>(caches[2 * l + 1]),
                                    nullptr, nthreads);
