@@ -166,7 +166,7 @@ class EngineConfig:
     # attention in float32: half the bytes attention reads, which at many requests over long
     # histories is most of a forward; needs the fused forward). "auto": $DSPARK_KV_CACHE_DTYPE
     # where set, else bfloat16 where the weights are served in bfloat16, else ``dtype``
-    # (``resolved_kv_cache_dtype``; the drafter's context cache stays in ``dtype``).
+    # (``resolved_kv_cache_dtype``; the drafter's context cache follows where its fused calls read it).
     kv_cache_dtype: str = "auto"
     spec: SpeculativeConfig = field(default_factory=SpeculativeConfig)
 
