@@ -132,6 +132,15 @@ class SpeculativeConfig:
             raise ValueError(f"gamma must be in 1..32, got {self.gamma}")
 
 
+def _chosen(value: str, env: str) -> str | None:
+    """A dtype setting's explicit choice: ``value`` unless "auto", else ``$env`` unless unset or
+    "auto"; None: "auto" stands, the caller decides."""
+    if value != "auto":
+        return value
+    from_env = os.environ.get(env, "").strip()
+    return from_env if from_env and from_env != "auto" else None
+
+
 @dataclass(frozen=True)
 class EngineConfig:
     """Capacity and scheduling limits of the native engine."""
@@ -172,21 +181,17 @@ class EngineConfig:
 
     def resolved_weight_dtype(self) -> str:
         """``weight_dtype`` with "auto" decided for this machine: "float32" or "bfloat16"."""
-        if self.weight_dtype != "auto":
-            return self.weight_dtype
-        env = os.environ.get("DSPARK_WEIGHT_DTYPE", "").strip()
-        if env and env != "auto":
-            return env
+        chosen = _chosen(self.weight_dtype, "DSPARK_WEIGHT_DTYPE")
+        if chosen is not None:
+            return chosen
         native = any(f in cpu_flags().split() for f in ("avx512_bf16", "amx_bf16"))
         return "bfloat16" if native and self.layer_kernels and self.fused_forward else "float32"
 
     def resolved_kv_cache_dtype(self) -> str:
         """``kv_cache_dtype`` with "auto" decided: "bfloat16" with bf16 weights, else ``dtype``."""
-        if self.kv_cache_dtype != "auto":
-            return self.kv_cache_dtype
-        env = os.environ.get("DSPARK_KV_CACHE_DTYPE", "").strip()
-        if env and env != "auto":
-            return env
+        chosen = _chosen(self.kv_cache_dtype, "DSPARK_KV_CACHE_DTYPE")
+        if chosen is not None:
+            return chosen
         return "bfloat16" if self.resolved_weight_dtype() == "bfloat16" else self.dtype
 
     def serving_dtype(self) -> str:
