@@ -73,7 +73,7 @@ def pack(chunks: list[SeqChunk], allocator: PageAllocator) -> PackedBatch:
     layout = PagedLayout(
         q_start=torch.from_numpy(q_start),
         q_len=torch.from_numpy(lengths),
-        slots=torch.from_numpy(np.ascontiguousarray(slots)),
+        slots=torch.from_numpy(slots),  # np.where's result: a new contiguous array
         kv_limit=torch.from_numpy(positions + 1),  # a query sees the keys up to its own position
         q_lens=tuple(lengths.tolist()),
         kv_lens=tuple(kv_lens.tolist()),

@@ -73,12 +73,7 @@ class PageAllocator:
 
     def slots(self, table: PageTable, start: int, end: int) -> torch.Tensor:
         """Slot indices of positions start..end-1 (pages must already be reserved)."""
-        if end - start > 64:
-            return self.slots_at(table, torch.arange(start, end))
-        if end > len(table.pages) * self.page_size:  # a few positions (decode, verify): in Python
-            raise ValueError(f"positions up to {end} are not reserved ({len(table.pages)} pages)")
-        ps, pages = self.page_size, table.pages
-        return torch.tensor([pages[p // ps] * ps + p % ps for p in range(start, end)], dtype=torch.long)
+        return torch.from_numpy(self.slot_run(table, start, end - start))
 
     def slot_matrix(self, tables: Sequence[PageTable], lengths: np.ndarray) -> np.ndarray:
         """[R, max(lengths)] int64: the slots of positions 0 .. lengths[r] - 1 of table r, padded

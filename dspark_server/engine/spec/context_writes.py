@@ -100,17 +100,9 @@ class ContextWrites:
             return
         hidden = forward.output.hidden
         assert hidden is not None
-        # NumPy index vectors: a drafting step at one request wrote one short run with nine
-        # tensor ops; the slots come from each table's page list
-        counts = np.fromiter((r.count for r in rows), dtype=np.int64, count=len(rows))
-        within = np.arange(int(counts.sum())) - np.repeat(np.cumsum(counts) - counts, counts)
-        packed = (
-            np.repeat(np.fromiter((r.row for r in rows), dtype=np.int64, count=len(rows)), counts) + within
-        )
-        positions = np.repeat(
-            np.fromiter((r.position for r in rows), dtype=np.int64, count=len(rows)), counts
-        )
-        positions = positions + within
+        # NumPy index vectors (a NumPy call costs ~1 µs, a tensor op on these few rows 5-10)
+        packed = np.concatenate([np.arange(r.row, r.row + r.count) for r in rows])
+        positions = np.concatenate([np.arange(r.position, r.position + r.count) for r in rows])
         slots = np.concatenate([alloc.slot_run(r.table, r.position, r.count) for r in rows])
         features = take_rows(hidden, torch.from_numpy(packed))
         self.drafter.write_context(features, torch.from_numpy(positions), torch.from_numpy(slots), self.pool)

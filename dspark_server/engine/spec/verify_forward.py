@@ -67,14 +67,13 @@ def verify_forward(
     else:
         # Every request's ℓ_r + 1 rows, padded to the step's widest block: [R, L + 1].
         width = max(lens) + 1
-        rows = np.minimum(starts_np[:n, None] + np.arange(width)[None, :], ends_np[:n, None] - 1)
-        index = torch.from_numpy(rows)
+        index = np.minimum(starts_np[:n, None] + np.arange(width)[None, :], ends_np[:n, None] - 1)
         if sampling.all_greedy:  # accept while the draft equals the target argmax
             # argmax over the drafting requests' rows only (they come first in the batch)
-            argmax = row_argmax(logits[: ends[n - 1]]).numpy()[rows]
+            argmax = row_argmax(logits[: ends[n - 1]]).numpy()[index]
             outcome = verify_greedy(drafts.tokens, torch.from_numpy(argmax), lens)
         else:
-            rows = take_rows(logits, index)  # [R, L + 1, V]
+            rows = take_rows(logits, torch.from_numpy(index))  # [R, L + 1, V]
             flat = shape_probs(
                 rows.reshape(-1, rows.shape[-1]), sampling.repeat_rows(torch.full((n,), width))
             )
