@@ -352,6 +352,42 @@ def test_sampled_block_kernel_equals_the_position_by_position_loop(head: str) ->
     assert len(set(tokens.flatten().tolist())) > 10  # the test distinguishes rows and positions
 
 
+def test_sampled_block_kernel_draws_seeded_rows_by_their_keyed_noise() -> None:
+    """Seeded rows of a sampled block draw x_k by the keyed noise of output position key + k from
+    the same q_k (the draw plain decoding of that seed makes there); unseeded rows beside them
+    keep their inverse-CDF draws."""
+    from dspark_server.engine.noise import NoiseKey, keyed_argmax, row_keys
+    from dspark_server.engine.request import SamplingParams
+    from dspark_server.engine.sampling import SamplingTensors, inverse_cdf, shape_probs
+
+    d = _kernel_drafter("markov")
+    g = torch.Generator().manual_seed(7)
+    rows = 6
+    base = torch.randn(rows, 7, V, generator=g) * 3
+    anchors = torch.randint(0, V, (rows,), generator=g)
+    temps = [1.0, 0.7, 1.0, 1.3, 0.8, 1.0]
+    uniforms = torch.rand(rows, 7, generator=g)
+    keys = [NoiseKey(11 * r, 5 + r) if r % 2 == 0 else None for r in range(rows)]
+    got = d.sampled_tokens(base, anchors, torch.tensor(temps), uniforms, row_keys(keys, 7))
+    assert got is not None
+    tokens, probs = got
+    sampling = SamplingTensors.from_params([SamplingParams(temperature=t) for t in temps])
+    prev, state = anchors, d.init_head_state(torch.zeros(rows, H))
+    for k in range(7):
+        logits, state = d.step_logits(base[:, k], prev, torch.zeros(rows, H), state)
+        q = shape_probs(logits, sampling)
+        torch.testing.assert_close(probs[:, k], q, atol=1e-6, rtol=1e-4)
+        prev = inverse_cdf(q, uniforms[:, k])
+        for r, key in enumerate(keys):
+            if key is not None:
+                prev[r] = keyed_argmax(probs[r, k : k + 1], key.shifted(k))[0]
+        assert torch.equal(tokens[:, k], prev), k
+    unseeded = d.sampled_tokens(base, anchors, torch.tensor(temps), uniforms)
+    assert unseeded is not None
+    assert torch.equal(unseeded[0][1::2], tokens[1::2])
+    assert not torch.equal(unseeded[0][0::2], tokens[0::2])
+
+
 def test_training_gradients_reach_only_drafter() -> None:
     t = make_target()
     d = make_drafter(t, "rnn").train()

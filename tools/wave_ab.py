@@ -7,8 +7,9 @@ A variant is ``MODE:KV`` (MODE off / fixed / threshold / dspark, ``dspark-nogate
 with the draft gate off; KV the ``--kv-cache-dtype``: auto / float32 / bfloat16). Every variant's
 engine is built once (weight-only bf16 unless ``--weight-dtype``), warmed with one wave, then
 each round runs one wave of ``--concurrency`` fresh requests (128 tokens, ignore_eos, greedy
-unless ``--temperature``) on every variant in turn, so slow drifts of the machine fall on all
-alike. Prints each variant's tokens/s per round (prefill included) and the median.
+unless ``--temperature``; ``--seed`` gives each request a seed) on every variant in turn, so
+slow drifts of the machine fall on all alike. Prints each variant's tokens/s per round
+(prefill included) and the median.
 """
 
 from __future__ import annotations
@@ -42,11 +43,13 @@ def build(variant: str, a: argparse.Namespace) -> LLMEngine:
     return LLMEngine(cfg)
 
 
-def wave(engine: LLMEngine, prompts: list[str], tag: str, temperature: float) -> float:
-    """One wave of these prompts at once -> output tokens/s (prefill included)."""
+def wave(engine: LLMEngine, prompts: list[str], tag: str, temperature: float, seed: int | None) -> float:
+    """One wave of these prompts at once -> output tokens/s (prefill included); ``seed``: request
+    i carries seed + i (the keyed-noise path)."""
     for i, prompt in enumerate(prompts):
         ids = engine.tokenizer.encode_chat([{"role": "user", "content": prompt}])
-        params = SamplingParams(temperature=temperature, max_tokens=128, ignore_eos=True)
+        s = None if seed is None else seed + i
+        params = SamplingParams(temperature=temperature, max_tokens=128, ignore_eos=True, seed=s)
         engine.add_request(f"{tag}-{i}", ids, params, lambda _out: None)
     tokens, t0 = engine.stats.generation_tokens, time.perf_counter()
     while engine.has_work():
@@ -67,6 +70,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--weight-dtype", default="bfloat16", choices=["auto", "float32", "bfloat16"])
     p.add_argument("--temperature", type=float, default=0.0)
     p.add_argument("--threads", type=int, default=None)
+    p.add_argument("--seed", type=int, default=None, help="request i carries seed + i")
     a = p.parse_args(argv)
     if a.threads:
         torch.set_num_threads(a.threads)
@@ -80,11 +84,11 @@ def main(argv: list[str] | None = None) -> int:
     results: dict[str, list[float]] = {v: [] for v in a.variants}
     c = a.concurrency
     for engine in engines.values():
-        wave(engine, [prompts[i % len(prompts)] for i in range(c)], "warm", a.temperature)
+        wave(engine, [prompts[i % len(prompts)] for i in range(c)], "warm", a.temperature, a.seed)
     for r in range(a.rounds):
         chunk = [prompts[(r * c + i) % len(prompts)] for i in range(c)]
         for v, engine in engines.items():
-            results[v].append(wave(engine, chunk, f"r{r}", a.temperature))
+            results[v].append(wave(engine, chunk, f"r{r}", a.temperature, a.seed))
     for v, tps in results.items():
         print(f"{v}: rounds {[round(x) for x in tps]} median {statistics.median(tps):.0f} tokens/s")
     return 0

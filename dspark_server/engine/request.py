@@ -130,7 +130,7 @@ class Request:
 
     @property
     def noise_key(self) -> NoiseKey | None:
-        """Seeded requests: the key of the next token's noise (see ``sampling.keyed_gumbel``)."""
+        """Seeded requests: the key of the next token's noise (see ``engine/noise.py``)."""
         if self.params.seed is None:
             return None
         return NoiseKey(self.params.seed, len(self.output_ids))

@@ -8,7 +8,7 @@ to "accept while the draft equals the target argmax".
 Requests with an explicit ``seed`` sample by the Gumbel-max trick with noise keyed by
 (seed, output position): token t is argmax(log p_t + G(seed, t)). The noise does not depend on
 the batch, the step or how many tokens a speculative round verified, so a seeded request emits
-the same tokens in every speculation mode and at every load (``keyed_gumbel``).
+the same tokens in every speculation mode and at every load (``engine/noise.py``).
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from dspark_server.engine.noise import NoiseKey, keyed_argmax
+from dspark_server.engine.noise import NoiseKey, keyed_argmax_rows, row_keys
 from dspark_server.engine.request import GREEDY_BELOW, SamplingParams
 from dspark_server.engine.uniforms import draw_uniforms
 from dspark_server.models.kernel_library import load_library
@@ -129,18 +129,22 @@ def sample(
     if uniforms is None:
         uniforms = draw_uniforms(generators, 1)[:, 0]
     out = inverse_cdf(probs, uniforms)
-    for i, key in enumerate(keys or ()):
-        if key is not None:
-            out[i] = keyed_argmax(probs[i : i + 1], key)[0]
+    keyed = row_keys(keys or (), 1)
+    if keyed is not None:
+        rows = np.flatnonzero(keyed[0])
+        out[rows] = keyed_argmax_rows(probs[rows], keyed[1][rows, 0])
     return out
 
 
 def _sample_temperature(
-    logits: torch.Tensor, temperature: torch.Tensor, generators: Sequence[torch.Generator]
+    logits: torch.Tensor,
+    temperature: torch.Tensor,
+    generators: Sequence[torch.Generator],
+    keys: Sequence[NoiseKey | None] | None,
 ) -> torch.Tensor | None:
-    """``sample(shape_probs(...))`` for rows that shape by temperature alone, as one kernel call
-    (kernels/sample_rows.cpp: the same inverse-CDF draw, with the same uniforms); None where the
-    kernel library is not available."""
+    """``sample(shape_probs(...), keys=keys)`` for rows that shape by temperature alone, as one
+    kernel call (kernels/sample_rows.cpp: the same inverse-CDF draw with the same uniforms, and the
+    same keyed draw for seeded rows); None where the kernel library is not available."""
     lib = load_library()
     if lib is None or logits.dtype != torch.float32 or logits.dim() != 2:
         return None
@@ -148,12 +152,16 @@ def _sample_temperature(
     temps = temperature.float().contiguous()
     uniforms = draw_uniforms(generators, 1)[:, 0].contiguous()
     out = torch.empty(x.shape[0], dtype=torch.long)
+    keyed = row_keys(keys or (), 1)
+    flags, table = (None, None) if keyed is None else (keyed[0], np.ascontiguousarray(keyed[1][:, 0]))
     rc = lib.dspark_sample_temperature(
         x.data_ptr(),
         x.shape[0],
         x.shape[1],
         temps.data_ptr(),
         uniforms.data_ptr(),
+        None if flags is None else flags.ctypes.data,
+        None if table is None else table.ctypes.data,
         out.data_ptr(),
         torch.get_num_threads(),
     )
@@ -180,8 +188,8 @@ def sample_from_logits(
 ) -> torch.Tensor:
     if s.all_greedy:
         return row_argmax(logits)
-    if not (s.any_greedy or s.any_top_k or s.any_top_p) and not any(k is not None for k in keys or ()):
-        fast = _sample_temperature(logits, s.temperature, generators)
+    if not (s.any_greedy or s.any_top_k or s.any_top_p):
+        fast = _sample_temperature(logits, s.temperature, generators, keys)
         if fast is not None:
             return fast
     tokens = sample(shape_probs(logits, s), generators, keys)

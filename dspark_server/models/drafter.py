@@ -317,12 +317,16 @@ class DSparkDrafter(nn.Module):
         anchor_tokens: torch.Tensor,
         temperature: torch.Tensor,
         uniforms: torch.Tensor,
+        keyed: tuple[np.ndarray, np.ndarray] | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor] | None:
         """The sampled draft (tokens [R, g], q [R, g, V]) for rows shaped by temperature alone, as
-        one kernel call (the Markov head's ``sample_block``), or None where it does not apply."""
+        one kernel call (the Markov head's ``sample_block``; ``keyed``: seeded rows' flags and
+        noise keys), or None where it does not apply."""
         if self.markov_head is None or self._kernels is None:
             return None
-        return self.markov_head.sample_block(self._kernels, base_logits, anchor_tokens, temperature, uniforms)
+        return self.markov_head.sample_block(
+            self._kernels, base_logits, anchor_tokens, temperature, uniforms, keyed
+        )
 
     def confidence_logits(self, hidden: torch.Tensor, prev_tokens: torch.Tensor) -> torch.Tensor | None:
         """Raw confidence logits [...] (float32) from hidden [..., H] and x_{k-1} [...]."""

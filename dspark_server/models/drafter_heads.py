@@ -137,11 +137,13 @@ class MarkovHead(nn.Module):
         anchors: torch.Tensor,
         temperature: torch.Tensor,
         uniforms: torch.Tensor,
+        keyed: tuple[np.ndarray, np.ndarray] | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor] | None:
         """x_k ~ softmax((U_k + B_k(x_{k-1})) / T) by inverse CDF with uniforms[:, k], k = 1..g, as
         one kernel call (kernels/markov_sample.cpp): base_logits [R, g, V] float32, anchors [R],
         temperature [R] (> 0), uniforms [R, g] -> (tokens [R, g], q [R, g, V] each token was drawn
-        from). None where the kernel does not apply (``_block_kernel``)."""
+        from). ``keyed`` (flags [R] uint8, keys [R, g] uint64): seeded rows draw x_k by their keyed
+        noise instead (engine/noise.py). None where the kernel does not apply (``_block_kernel``)."""
         k = self._block_kernel(lib, "dspark_markov_sample_f32", base_logits, anchors)
         if k is None:
             return None
@@ -153,7 +155,9 @@ class MarkovHead(nn.Module):
         probs = torch.empty(r, g, v, dtype=torch.float32)
         w2t = self._w2_transposed()
         args = (r, g, v, self.rank, k.base.data_ptr(), k.anchors.data_ptr(), k.w1.data_ptr(), w2t.data_ptr())
-        outs = (temps.data_ptr(), u.data_ptr(), tokens.data_ptr(), probs.data_ptr())
+        flags, keys = (None, None) if keyed is None else (np.ascontiguousarray(a) for a in keyed)
+        seeded = (None, None) if flags is None or keys is None else (flags.ctypes.data, keys.ctypes.data)
+        outs = (temps.data_ptr(), u.data_ptr(), *seeded, tokens.data_ptr(), probs.data_ptr())
         rc = lib.dspark_markov_sample_f32(k.sgemm, *args, *outs, torch.get_num_threads())
         if rc != 0:
             raise RuntimeError(f"sampled Markov head kernel failed with code {rc}")

@@ -158,14 +158,16 @@ SIGNATURES = {  # every function returns an int status (0: done)
     "dspark_markov_greedy_f32": [_P, *[_I] * 4, *[_P] * 5, _C],
     # rows, g, vocab, rank; base, anchors, w1, w2 (bf16), tokens; threads
     "dspark_markov_greedy_bf16w": [*[_I] * 4, *[_P] * 5, _C],
-    # sgemm; rows, g, vocab, rank; base, anchors, w1, w2t, temperatures, uniforms (float64), tokens,
-    # probs; threads
-    "dspark_markov_sample_f32": [_P, *[_I] * 4, *[_P] * 8, _C],
+    # sgemm; rows, g, vocab, rank; base, anchors, w1, w2t, temperatures, uniforms (float64), keyed
+    # (uint8), keys (uint64), tokens, probs; threads
+    "dspark_markov_sample_f32": [_P, *[_I] * 4, *[_P] * 10, _C],
     # x; m, k; packed bf16 weight; n; out; accumulate; threads
     "dspark_linear_bf16": [_P, _I, _I, _P, _I, _P, _C, _C],
     "dspark_has_bf16": [],
-    # logits; rows, vocab; temperatures, uniforms (float64), out; threads
-    "dspark_sample_temperature": [_P, _I, _I, _P, _P, _P, _C],
+    # logits; rows, vocab; temperatures, uniforms (float64), keyed (uint8), keys (uint64), out; threads
+    "dspark_sample_temperature": [_P, _I, _I, *[_P] * 5, _C],
+    # weights; rows, vocab; keys (uint64), out; threads
+    "dspark_keyed_argmax": [_P, _I, _I, _P, _P, _C],
 }
 
 

@@ -131,7 +131,7 @@ MUTATIONS: tuple[Mutation, ...] = (
     Mutation(
         "seeded-noise-unkeyed",
         "a seeded request's noise ignores the output position (one Gumbel vector for all tokens)",
-        (Edit("dspark_server/engine/noise.py", "(key.position + 1) * _MIX_B", "_MIX_B"),),
+        (Edit("dspark_server/engine/noise.py", "_mix64(key.position + 1)", "_mix64(1)"),),
         (f"{SEEDED}[off]",),
     ),
 )

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 import torch
 
-from dspark_server.engine.noise import NoiseKey
+from dspark_server.engine.noise import NoiseKey, row_keys
 from dspark_server.engine.sampling import SamplingTensors, sample, shape_probs
 from dspark_server.engine.uniforms import draw_uniforms
 from dspark_server.models.drafter import DraftBlock, DSparkDrafter
@@ -46,8 +46,11 @@ def sample_drafts(
     # one draw per request for the whole block: x_k uses column k
     uniforms = None if greedy else draw_uniforms(generators, gamma)
     temperature_only = not (sampling.any_greedy or sampling.any_top_k or sampling.any_top_p)
-    if uniforms is not None and temperature_only and all(key is None for key in keys):
-        sampled = drafter.sampled_tokens(block.logits[:, :gamma], anchors, sampling.temperature, uniforms)
+    if uniforms is not None and temperature_only:
+        keyed = row_keys(keys, gamma)
+        sampled = drafter.sampled_tokens(
+            block.logits[:, :gamma], anchors, sampling.temperature, uniforms, keyed
+        )
         if sampled is not None:
             return _from_kernel(drafter, block, anchors, *sampled)
     state = drafter.init_head_state(block.hidden[:, 0])
