@@ -9,6 +9,10 @@ for a few requests only (the gate exploring), for the requests it does not draft
 step takes the rows of the requests it drafts for (``take(alloc, only=...)``), or all of them,
 and writes them in one call; so does the step that fills the buffer.
 
+Keeping a step costs O(1): it is filed as it is, with no per-request index (at 64 decoding
+requests, indexing every row cost ~0.2 ms a plain step, 2-3% of it); a request's rows are found
+by scanning the steps when it drafts, which is rare while steps are plain.
+
 Rows are written only for requests still running, and only for positions they have computed: a
 finished request's slots may already belong to another request, and a preempted one recomputes
 its context with its prompt (its rows, when it runs again, are deferred anew). At high load,
@@ -42,13 +46,15 @@ class Run(NamedTuple):
 class _DeferredStep:
     runs: list[Run]
     features: torch.Tensor  # [N, F]: the runs' rows, in order
-    live: int = 0  # runs not yet taken or forgotten
+    taken: set[int] = field(default_factory=set)  # ids of the requests whose rows were taken
 
-
-class _Pending(NamedTuple):
-    step: int  # key of its _DeferredStep
-    row: int  # its first feature row in that step
-    run: Run
+    def rows(self) -> list[int]:
+        """Each run's first feature row."""
+        starts, at = [], 0
+        for run in self.runs:
+            starts.append(at)
+            at += run.num_tokens
+        return starts
 
 
 @dataclass(frozen=True)
@@ -60,9 +66,17 @@ class ContextWrites:
 
 @dataclass
 class _Picked:
-    segments: list[tuple[int, int, int]] = field(default_factory=list)  # (step, row, count)
-    position_starts: list[int] = field(default_factory=list)
-    requests: list[tuple[Request, int]] = field(default_factory=list)  # (request, rows)
+    """Per request (in the order first met), its (step, row, count, position) segments."""
+
+    segments: dict[int, list[tuple[int, int, int, int]]] = field(default_factory=dict)
+    requests: dict[int, Request] = field(default_factory=dict)
+
+    def add(self, req: Request, step: int, row: int, count: int, position: int) -> None:
+        key = id(req)
+        if key not in self.requests:
+            self.requests[key] = req
+            self.segments[key] = []
+        self.segments[key].append((step, row, count, position))
 
 
 class DeferredContext:
@@ -76,9 +90,11 @@ class DeferredContext:
         self.max_steps = max_steps
         self.max_bytes = max_bytes
         self._steps: dict[int, _DeferredStep] = {}  # in deferral order
-        self._pending: dict[int, list[_Pending]] = {}  # id(request) -> its rows, oldest first
         self._next_key = 0
         self._bytes = 0
+        # a request of the oldest step seen running: while it runs, that step stays (one check
+        # instead of a scan of the step's runs at every deferral)
+        self._keeps_oldest: tuple[int, Request] | None = None
 
     def __len__(self) -> int:
         """Steps whose writes are pending."""
@@ -86,98 +102,101 @@ class DeferredContext:
 
     def pending(self, request: Request) -> int:
         """Rows of ``request`` waiting to be written."""
-        return sum(p.run.num_tokens for p in self._pending.get(id(request), ()))
+        key = id(request)
+        return sum(
+            run.num_tokens
+            for step in self._steps.values()
+            if key not in step.taken
+            for run in step.runs
+            if run.request is request
+        )
 
     def defer(self, runs: Sequence[Run], features: torch.Tensor) -> bool:
         """Keep one step's rows (``features`` [sum of counts, F], the runs' rows in order). True:
         the buffer is full, take the writes now."""
         self._drop_departed()
         key, self._next_key = self._next_key, self._next_key + 1
-        self._steps[key] = _DeferredStep(list(runs), features, len(runs))
+        self._steps[key] = _DeferredStep(list(runs), features)
         self._bytes += features.nbytes
-        row, pending = 0, self._pending
-        for run in runs:
-            rows = pending.get(id(run.request))
-            if rows is None:
-                pending[id(run.request)] = [_Pending(key, row, run)]
-            else:
-                rows.append(_Pending(key, row, run))
-            row += run.num_tokens
         return len(self._steps) >= self.max_steps or self._bytes >= self.max_bytes
 
     def take(self, alloc: PageAllocator, only: Iterable[Request] | None = None) -> ContextWrites | None:
         """Every pending write of requests still running (of ``only`` when given), for positions
         they have computed, with the slots those positions hold now. Taken rows leave the buffer;
         without ``only`` so does everything else."""
-        if only is None:
-            steps, entries = self._steps, list(self._pending.values())
-            self._steps, self._pending, self._bytes = {}, {}, 0
-        else:
-            steps = self._steps
-            entries = [e for r in only if (e := self._pending.pop(id(r), None)) is not None]
+        wanted = None if only is None else {id(r) for r in only}
+        steps = self._steps
         picked = _Picked()
-        for rows in entries:
-            req = rows[0].run.request
-            count = 0
-            for p in rows:
-                keep = (
-                    min(p.run.num_tokens, req.num_computed - p.run.start)
-                    if req.status is Status.RUNNING
-                    else 0
-                )
+        for key, step in steps.items():
+            for run, row in zip(step.runs, step.rows(), strict=True):
+                req = run.request
+                rid = id(req)
+                if rid in step.taken or (wanted is not None and rid not in wanted):
+                    continue
+                if req.status is not Status.RUNNING:
+                    continue
+                keep = min(run.num_tokens, req.num_computed - run.start)
                 if keep > 0:
-                    picked.segments.append((p.step, p.row, keep))
-                    picked.position_starts.append(p.run.start)
-                    count += keep
-            if count:
-                picked.requests.append((req, count))
-        writes = self._gather(alloc, steps, picked, whole=only is None) if picked.requests else None
-        if only is not None:
-            for rows in entries:
-                self._release(rows)
+                    picked.add(req, key, row, keep, run.start)
+        writes = self._gather(alloc, steps, picked) if picked.requests else None
+        if wanted is None:
+            self._steps, self._bytes, self._keeps_oldest = {}, 0, None
+        else:
+            for key in list(steps):
+                step = steps[key]
+                step.taken.update(wanted)
+                if all(id(run.request) in step.taken for run in step.runs):
+                    self._forget(key)
         return writes
 
     @staticmethod
-    def _gather(
-        alloc: PageAllocator, steps: dict[int, _DeferredStep], picked: _Picked, whole: bool
-    ) -> ContextWrites:
-        counts = np.array([c for _, _, c in picked.segments])
+    def _gather(alloc: PageAllocator, steps: dict[int, _DeferredStep], picked: _Picked) -> ContextWrites:
+        segments = [s for key in picked.requests for s in picked.segments[key]]
+        counts = np.array([c for _, _, c, _ in segments])
         offsets = np.cumsum(counts) - counts  # each segment's first row in the result
         within = np.arange(int(counts.sum())) - np.repeat(offsets, counts)
-        if whole:  # everything goes: one concatenation, one gather
+        involved = dict.fromkeys(s for s, _, _, _ in segments)
+        if len(segments) > 4 * len(involved):  # many rows per step (a whole catch-up): one gather
             base, total = {}, 0
-            for key, step in steps.items():
+            for key in involved:
                 base[key] = total
-                total += step.features.shape[0]
-            starts = np.array([base[s] + r for s, r, _ in picked.segments])
+                total += steps[key].features.shape[0]
+            starts = np.array([base[s] + r for s, r, _, _ in segments])
             index = torch.from_numpy(np.repeat(starts, counts) + within)
-            features = torch.cat([s.features for s in steps.values()])[index]
-        else:  # a few requests: their rows only, the rest of the buffer untouched
-            features = torch.cat([steps[s].features[r : r + c] for s, r, c in picked.segments])
-        positions = torch.from_numpy(np.repeat(np.array(picked.position_starts), counts) + within)
+            features = torch.cat([steps[key].features for key in involved])[index]
+        else:  # a few requests: their rows only
+            features = torch.cat([steps[s].features[r : r + c] for s, r, c, _ in segments])
+        positions = torch.from_numpy(np.repeat(np.array([p for _, _, _, p in segments]), counts) + within)
         slots, at = [], 0
-        for req, n in picked.requests:
+        for key, req in picked.requests.items():
+            n = sum(c for _, _, c, _ in picked.segments[key])
             slots.append(alloc.slots_at(req.table, positions[at : at + n]))
             at += n
         return ContextWrites(features, positions, torch.cat(slots))
 
-    def _release(self, rows: list[_Pending]) -> None:
-        for p in rows:
-            step = self._steps.get(p.step)
-            if step is None:
-                continue
-            step.live -= 1
-            if step.live == 0:
-                del self._steps[p.step]
-                self._bytes -= step.features.nbytes
+    def _forget(self, key: int) -> None:
+        step = self._steps.pop(key, None)
+        if step is not None:
+            self._bytes -= step.features.nbytes
+        if self._keeps_oldest is not None and self._keeps_oldest[0] == key:
+            self._keeps_oldest = None
 
     def _drop_departed(self) -> None:
-        """Forget the requests of the oldest steps once none of those requests runs any more."""
+        """Forget the oldest steps once none of their requests (not yet taken) runs any more."""
         while self._steps:
             key, oldest = next(iter(self._steps.items()))
-            if any(r.request.status is Status.RUNNING for r in oldest.runs):
+            hint = self._keeps_oldest
+            if hint is not None and hint[0] == key and hint[1].status is Status.RUNNING:
                 return
-            for run in oldest.runs:  # not running: none of its rows will be written
-                self._release(self._pending.pop(id(run.request), []))
-            if self._steps.pop(key, None) is not None:  # (each run released it already, normally)
-                self._bytes -= oldest.features.nbytes
+            running = next(
+                (
+                    r.request
+                    for r in oldest.runs
+                    if r.request.status is Status.RUNNING and id(r.request) not in oldest.taken
+                ),
+                None,
+            )
+            if running is not None:
+                self._keeps_oldest = (key, running)
+                return
+            self._forget(key)  # not running: none of its rows will be written

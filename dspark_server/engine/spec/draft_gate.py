@@ -202,6 +202,8 @@ class DraftGate:
         forecast_half_life: float = 16.0,
         explore_run: int = 3,
         enter_margin: float = 1.15,
+        max_hold: int = 8,
+        hold_margin: float = 1.1,
     ) -> None:
         if explore_every < 2 or max_explore_interval < explore_every:
             raise ValueError("explore_every must be >= 2 and <= max_explore_interval")
@@ -215,6 +217,8 @@ class DraftGate:
             raise ValueError("explore_run must be >= 1")
         if not enter_margin >= 1.0:
             raise ValueError("enter_margin must be >= 1")
+        if max_hold < 0 or not hold_margin >= 1.0:
+            raise ValueError("max_hold must be >= 0 and hold_margin >= 1")
         self.explore_every = explore_every
         self.max_explore_interval = max_explore_interval
         self.smoothing = smoothing
@@ -228,7 +232,12 @@ class DraftGate:
         self.forecast_half_life = forecast_half_life
         self.explore_run = explore_run
         self.enter_margin = enter_margin
+        self.max_hold = max_hold
+        self.hold_margin = hold_margin
         self._steps = 0
+        # a plain choice held for the next steps of the same requests: (steps left, their ids,
+        # the load bucket whose counters those steps advance)
+        self._hold: tuple[int, tuple[str, ...], _Bucket] | None = None
         # whether the last two choices drafted for every request (None: not asked): a drafting
         # step is warm when the choice before it drafted too
         self._last_drafted: bool | None = None
@@ -365,12 +374,40 @@ class DraftGate:
         """Which of the step's decoding requests draft (indices into ``request_ids``): all of
         them, none (a plain step), or a few, exploring while plain steps are the faster choice.
         ``regimes``: their sampling temperatures."""
-        chosen = self._choose(request_ids, regimes)
+        chosen = self._held(request_ids)
+        if chosen is None:
+            chosen = self._choose(request_ids, regimes)
         self._before_drafted = self._last_drafted
         self._last_drafted = bool(request_ids) and len(chosen) == len(request_ids)
         if not self._last_drafted:
             self._run_left = 0
         return chosen
+
+    def _held(self, request_ids: Sequence[str]) -> list[int] | None:
+        """A plain choice still held for these very requests: the step only advances the
+        counters a full choice would (None: choose in full). Where plain steps win clearly, the
+        full choice (forecasts aged per request, rates, exploration intervals) cost ~20-30 us a
+        step, which at one request is several per cent of a ~0.5 ms plain step."""
+        hold = self._hold
+        if hold is None:
+            return None
+        left, ids, b = hold
+        if left <= 0 or len(ids) != len(request_ids) or ids != tuple(request_ids):
+            self._hold = None
+            return None
+        self._hold = (left - 1, ids, b)
+        self._steps += 1
+        b.since_explore += 1
+        b.since_plain += 1
+        b.since_partial += 1
+        return []
+
+    def _hold_plain(self, request_ids: Sequence[str], b: _Bucket, steps: int) -> list[int]:
+        """Choose plain now and for up to ``steps`` more steps of the same requests (capped by
+        ``max_hold``), re-deciding as soon as the requests change."""
+        steps = min(self.max_hold, steps)
+        self._hold = (steps, tuple(request_ids), b) if steps > 0 else None
+        return []
 
     def _explore_drafting(self, everyone: list[int]) -> list[int]:
         """Start an exploration run of whole drafting steps (``explore_run`` of them)."""
@@ -426,15 +463,22 @@ class DraftGate:
         near = draft_rate >= self.near_ratio * plain_rate
         odds = self.exploration_odds(draft_rate, plain_rate)
         interval = self.explore_interval(lost, plain_s, self.max_explore_overhead * odds)
-        if b.since_explore >= (interval if near or few == n else self.max_explore_interval):
+        due = interval if near or few == n else self.max_explore_interval
+        if b.since_explore >= due:
             b.since_explore = b.since_partial = 0
             return self._explore_drafting(everyone)
+        # plain for now; while drafting clearly loses, for the next few steps of these requests
+        # too, up to the step before an exploration could fall due
+        hold = due - b.since_explore - 1 if entry_rate * self.hold_margin < bar else 0
         if few == n:
-            return nobody
+            if b.since_explore < self.explore_every and self._unsure_newcomer(request_ids, regimes):
+                hold = min(hold, self.explore_every - b.since_explore - 1)
+            return self._hold_plain(request_ids, b, hold)
         partial = b.partial_lost.value if b.partial_lost.count else lost * few / n
         budget = self.partial_explore_overhead * odds
-        if b.since_partial < self.explore_interval(max(0.0, partial), plain_s, budget):
-            return nobody
+        partial_due = self.explore_interval(max(0.0, partial), plain_s, budget)
+        if b.since_partial < partial_due:
+            return self._hold_plain(request_ids, b, min(hold, partial_due - b.since_partial - 1))
         b.since_partial = 0
         # the requests known least: never drafted first (they stand on a prior), then the oldest
         order = sorted(everyone, key=lambda i: self._drafted_at.get(request_ids[i], -1))
@@ -482,6 +526,7 @@ class DraftGate:
         if not drafted:
             self.record_plain(load, seconds)
             return
+        self._hold = None  # forecasts move: the next choice is made in full
         key = self.bucket_of(load)
         b = self._bucket(load)
         switch = switch_seconds if switch_seconds > 0 and math.isfinite(switch_seconds) else 0.0
