@@ -127,12 +127,14 @@ class DeferredContext:
         wanted = None if only is None else {id(r) for r in only}
         steps = self._steps
         picked = _Picked()
+        touched: dict[int, set[int]] = {}  # step -> the wanted requests it holds rows of
         for key, step in steps.items():
             for run, row in zip(step.runs, step.rows(), strict=True):
                 req = run.request
                 rid = id(req)
                 if rid in step.taken or (wanted is not None and rid not in wanted):
                     continue
+                touched.setdefault(key, set()).add(rid)
                 if req.status is not Status.RUNNING:
                     continue
                 keep = min(run.num_tokens, req.num_computed - run.start)
@@ -142,11 +144,13 @@ class DeferredContext:
         if wanted is None:
             self._steps, self._bytes, self._keeps_oldest = {}, 0, None
         else:
-            for key in list(steps):
+            for key, rids in touched.items():
                 step = steps[key]
-                step.taken.update(wanted)
+                step.taken.update(rids)
                 if all(id(run.request) in step.taken for run in step.runs):
                     self._forget(key)
+            if self._keeps_oldest is not None and id(self._keeps_oldest[1]) in wanted:
+                self._keeps_oldest = None  # taken: no longer what keeps the oldest step
         return writes
 
     @staticmethod

@@ -392,7 +392,7 @@ class DraftGate:
         if hold is None:
             return None
         left, ids, b = hold
-        if left <= 0 or len(ids) != len(request_ids) or ids != tuple(request_ids):
+        if left <= 0 or ids != tuple(request_ids):
             self._hold = None
             return None
         self._hold = (left - 1, ids, b)
