@@ -163,3 +163,21 @@ def test_greedy_markov_block_from_bf16_w2_follows_the_bf16_rounded_head(lib: obj
             want.append(prev)
     assert got is not None and torch.equal(got, torch.stack(want, dim=1))
     assert len(set(got.flatten().tolist())) > 3
+
+
+def test_markov_w2_layouts_are_kept_side_by_side_and_rebuilt_when_w2_changes() -> None:
+    """Greedy blocks at few requests read W2^T packed in bf16, sampled blocks read it in float32:
+    steps of each kind in turn reuse both copies (a rebuild cost ~1.1 ms a step on the demo
+    head), and a change of W2 rebuilds both."""
+    from dspark_server.models.drafter_heads import MarkovHead
+
+    head = MarkovHead(160, 16)
+    packed, plain = head._w2_transposed(packed=True), head._w2_transposed(packed=False)
+    assert packed.dtype == torch.bfloat16 and plain.dtype == torch.float32
+    assert head._w2_transposed(packed=True) is packed and head._w2_transposed(packed=False) is plain
+    with torch.no_grad():
+        head.markov_w2.weight.add_(1.0)
+    assert torch.equal(head._w2_transposed(packed=False), head.markov_w2.weight.detach().t())
+    new_packed = head._w2_transposed(packed=True)
+    assert new_packed is not packed
+    assert torch.equal(new_packed, bf16_weights.packed(head.markov_w2.weight.detach().t().contiguous()))

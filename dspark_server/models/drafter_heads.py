@@ -45,14 +45,17 @@ class MarkovHead(nn.Module):
         self.rank = rank
         self.markov_w1 = nn.Embedding(vocab_size, rank)
         self.markov_w2 = nn.Linear(rank, vocab_size, bias=False)
-        self._w2t: tuple[tuple[int, int, bool], torch.Tensor] | None = None  # greedy_block's W2^T
+        # W2^T per layout (packed bf16 or float32) with the (address, version) of W2 it was made
+        # from: greedy blocks at few requests read the packed one, sampled and larger blocks the
+        # float32 one, and a step of each kind in turn must not rebuild either (~1.1 ms a time)
+        self._w2t: dict[bool, tuple[tuple[int, int], torch.Tensor]] = {}
         self.bf16_rows = 0  # greedy_block: up to this many requests, W2^T in bf16 (serve_bf16)
 
     def serve_bf16(self, rows: int) -> None:
         """Weight-only bf16 serving: ``greedy_block`` reads W2^T in bfloat16 for blocks of up to
         ``rows`` requests (0: float32 always)."""
         self.bf16_rows = rows
-        self._w2t = None
+        self._w2t = {}
 
     def prev_embed(self, prev_tokens: torch.Tensor) -> torch.Tensor:
         """W1[x] for token ids of any shape -> [..., r]."""
@@ -167,11 +170,12 @@ class MarkovHead(nn.Module):
         """W2 [V, r] as a contiguous [r, V] copy (what the kernel streams), or that copy in
         bf16 packed for linear_bf16.cpp; rebuilt if W2 changed."""
         w2 = self.markov_w2.weight
-        key = (w2.data_ptr(), w2._version, packed)
-        if self._w2t is None or self._w2t[0] != key:
+        key = (w2.data_ptr(), w2._version)
+        cached = self._w2t.get(packed)
+        if cached is None or cached[0] != key:
             wt = w2.detach().t().contiguous()
-            self._w2t = (key, bf16_weights.packed(wt) if packed else wt)
-        return self._w2t[1]
+            cached = self._w2t[packed] = (key, bf16_weights.packed(wt) if packed else wt)
+        return cached[1]
 
     def block_bias(self, prev_tokens: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
         """Teacher-forced biases for whole blocks: prev [..., g], hidden [..., g, H] -> [..., g, V]."""
