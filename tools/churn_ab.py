@@ -7,8 +7,9 @@ concurrency 1, 4, 16 and the measured one, as the earlier points of a serving sw
 then rounds of ``--requests`` requests (chat-formatted prompts from --prompts, 128 tokens,
 ignore_eos) run variant after variant, interleaved. Variants: ``off``, ``fixed``, ``dspark`` (the
 draft gate deciding), ``pinned`` (dspark mode with the gate pinned to plain steps: what dspark
-mode's bookkeeping costs a plain step) and ``no-margin`` (the gate entering drafting as soon as
-its forecast wins at all: ``DraftGate.enter_margin`` 1). Prints tokens/s per round, then each
+mode's bookkeeping costs a plain step), ``no-margin`` (the gate entering drafting as soon as
+its forecast wins at all: ``DraftGate.enter_margin`` 1) and ``no-hold`` (the gate choosing in
+full at every step: ``DraftGate.max_hold`` 0). Prints tokens/s per round, then each
 variant's median and its ratio to ``off``. A diagnostic of the engine alone: the serving sweep is
 the figure that counts.
 """
@@ -27,7 +28,7 @@ from dspark_server.config import EngineConfig, SpeculativeConfig
 from dspark_server.engine.engine import LLMEngine
 from dspark_server.engine.request import RequestOutput, SamplingParams
 
-VARIANTS = ("off", "fixed", "dspark", "pinned", "no-margin")
+VARIANTS = ("off", "fixed", "dspark", "pinned", "no-margin", "no-hold")
 
 
 def _never(request_ids: Sequence[str], regimes: Sequence[float] | None = None) -> list[int]:
@@ -37,7 +38,7 @@ def _never(request_ids: Sequence[str], regimes: Sequence[float] | None = None) -
 def build(
     variant: str, model: str, draft: str, max_running: int, weight_dtype: str, threads: int | None
 ) -> LLMEngine:
-    mode = "dspark" if variant in ("pinned", "no-margin") else variant
+    mode = "dspark" if variant in ("pinned", "no-margin", "no-hold") else variant
     spec = SpeculativeConfig(mode=mode)  # type: ignore[arg-type]
     cfg = EngineConfig(
         model_dir=model,
@@ -53,6 +54,8 @@ def build(
         gate.choose = _never  # type: ignore[method-assign]
     if variant == "no-margin" and gate is not None:
         gate.enter_margin = 1.0
+    if variant == "no-hold" and gate is not None:
+        gate.max_hold = 0
     return engine
 
 
