@@ -5,6 +5,9 @@ GEMM weights are those bf16 values (up to the activations' rounding at each GEMM
 from __future__ import annotations
 
 import copy
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -31,7 +34,8 @@ def lib() -> object:
 
 @pytest.mark.parametrize("m", [1, 3, 8, 9, 16, 20, 31, 77, 300])
 @pytest.mark.parametrize("accumulate", [0, 1])
-def test_bf16_kernel_is_the_bf16_rounded_product(lib: object, m: int, accumulate: int) -> None:
+@pytest.mark.parametrize("variant", [0, 1], ids=["dot", "fma"])
+def test_bf16_kernel_is_the_bf16_rounded_product(lib: object, m: int, accumulate: int, variant: int) -> None:
     g = torch.Generator().manual_seed(m)
     k, n = 96, 160  # K even, N five blocks of 32; m: one row, tails of 8-row groups, prefill-sized batches
     wt = torch.randn(k, n, generator=g)
@@ -39,11 +43,35 @@ def test_bf16_kernel_is_the_bf16_rounded_product(lib: object, m: int, accumulate
     out = torch.randn(m, n, generator=g)
     ref = (out if accumulate else 0) + x.bfloat16().float() @ wt.bfloat16().float()
     packed = bf16_weights.packed(wt)
-    rc = lib.dspark_linear_bf16(x.data_ptr(), m, k, packed.data_ptr(), n, out.data_ptr(), accumulate, 2)  # type: ignore[attr-defined]
-    assert rc == 0
+
+    Tensor = torch.Tensor
+
+    def linear(x: Tensor, out: Tensor, n: int = n, accumulate: int = 0, variant: int = variant) -> int:
+        args = (x.data_ptr(), x.shape[0], k, packed.data_ptr(), n, out.data_ptr(), accumulate, 2, variant)
+        return int(lib.dspark_linear_bf16_variant(*args))  # type: ignore[attr-defined]
+
+    assert linear(x, out, accumulate=accumulate) == 0
     torch.testing.assert_close(out, ref, atol=1e-4, rtol=1e-5)
-    # a shape the kernel does not take is refused, not computed wrong
-    assert lib.dspark_linear_bf16(x.data_ptr(), m, k, packed.data_ptr(), n - 16, out.data_ptr(), 0, 1) == 1  # type: ignore[attr-defined]
+    # a row's result does not depend on the rows beside it: alone it gives the same bits
+    batched = torch.empty(m, n)
+    linear(x, batched)
+    for i in range(0, m, max(1, m // 4)):
+        single = torch.empty(1, n)
+        linear(x[i : i + 1].contiguous(), single)
+        assert torch.equal(single[0], batched[i])
+    # a shape or a loop the kernel does not take is refused, not computed wrong
+    assert linear(x, out, n=n - 16) == 1
+    assert linear(x, out, variant=2) == 1
+
+
+@pytest.mark.parametrize("name, code", [("dot", 0), ("fma", 1)])
+def test_the_served_bf16_loop_can_be_chosen(lib: object, name: str, code: int) -> None:
+    # DSPARK_BF16_GEMM picks the inner loop for the whole process (else it is timed once at start)
+    probe = "from dspark_server.models import kernel_library as k; lib = k.load_library()\n"
+    probe += "print(lib.dspark_bf16_gemm_variant())"
+    env = {**os.environ, "DSPARK_BF16_GEMM": name}
+    done = subprocess.run([sys.executable, "-c", probe], env=env, capture_output=True, text=True, check=True)
+    assert done.stdout.strip() == str(code)
 
 
 def _model_dir(tmp_path: Path) -> Path:

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import ctypes
+import functools
 import statistics
 import time
 from collections.abc import Callable
@@ -72,24 +73,29 @@ def main(argv: list[str] | None = None) -> None:
     wt = torch.randn(args.k, args.n, generator=g) * 0.02
     packed, plain = bf16_weights.packed(wt), wt.to(torch.bfloat16)
     print(f"K {args.k}, N {args.n}, {args.threads} threads: GFLOP/s (median of {args.repeats})")
-    print("rows | packed bf16 kernel | MKL gemm_bf16bf16f32 | float32 sgemm")
+    chosen = ("dot", "fma")[lib.dspark_bf16_gemm_variant()]
+    print(f"this process serves the packed kernel's {chosen} loop")
+    print("rows | packed, dot (VDPBF16PS) | packed, fma (float32 FMAs) | MKL gemm_bf16bf16f32 | sgemm")
     for m in args.rows:
         x = torch.randn(m, args.k, generator=g)
         out = torch.empty(m, args.n)
         flop = 2.0 * m * args.k * args.n
 
-        def packed_call(x: torch.Tensor = x, out: torch.Tensor = out, m: int = m) -> object:
-            return lib.dspark_linear_bf16(
-                x.data_ptr(), m, args.k, packed.data_ptr(), args.n, out.data_ptr(), 0, args.threads
+        def packed_call(x: torch.Tensor = x, out: torch.Tensor = out, m: int = m, variant: int = 0) -> object:
+            return lib.dspark_linear_bf16_variant(
+                x.data_ptr(), m, args.k, packed.data_ptr(), args.n, out.data_ptr(), 0, args.threads, variant
             )
 
-        calls: dict[str, Callable[[], object]] = {"packed": packed_call}
+        calls: dict[str, Callable[[], object]] = {
+            "dot": functools.partial(packed_call, variant=0),
+            "fma": functools.partial(packed_call, variant=1),
+        }
         if mkl_bf16 is not None:
             calls["mkl"] = _blas(_Fortran(mkl_bf16), plain, x.to(torch.bfloat16), out)
         if sgemm is not None:
             calls["sgemm"] = _blas(_Fortran(sgemm), wt, x, out)
         rate = {name: flop / _median_seconds(call, args.repeats) / 1e9 for name, call in calls.items()}
-        cells = [f"{rate[name]:.1f}" if name in rate else "-" for name in ("packed", "mkl", "sgemm")]
+        cells = [f"{rate[name]:.1f}" if name in rate else "-" for name in ("dot", "fma", "mkl", "sgemm")]
         print(f"{m} | " + " | ".join(cells))
 
 

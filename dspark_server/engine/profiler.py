@@ -22,6 +22,7 @@ from dspark_server.engine.batch import SeqChunk
 from dspark_server.engine.kv_cache import PageTable
 from dspark_server.engine.model_runner import ModelRunner
 from dspark_server.machine import cpu_model
+from dspark_server.models.kernel_library import source_digest
 from dspark_server.planner import SpsCostTable, build_sps_table, monotone_envelope, probe_batch_sizes
 
 log = logging.getLogger(__name__)
@@ -94,6 +95,7 @@ def machine_description() -> dict[str, str | int]:
         "cores": os.cpu_count() or 1,
         "torch_threads": torch.get_num_threads(),
         "torch": torch.__version__,
+        "kernels": source_digest(),  # a kernel change makes the cached tables stale
     }
 
 

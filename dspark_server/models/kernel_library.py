@@ -66,11 +66,20 @@ def _cache_dir() -> Path:
     return Path(os.environ.get("DSPARK_KERNEL_CACHE", Path.home() / ".cache" / "dspark_server" / "kernels"))
 
 
+def _source_bytes() -> bytes:
+    return b"\0".join(p.read_bytes() for p in sorted(KERNEL_DIR.glob("*.[ch]*")))
+
+
+def source_digest() -> str:
+    """A short hash of the kernels' source: measured step costs are only valid for the same kernels."""
+    return hashlib.sha256(_source_bytes()).hexdigest()[:16]
+
+
 def build(compiler: str, extra_flags: tuple[str, ...] = ()) -> Path:
     """The cached shared object for this source, flags, compiler and CPU (compiled if missing)."""
     flags = (*FLAGS, *extra_flags)
     sources = sorted(KERNEL_DIR.glob("*.cpp"))
-    src = b"\0".join(p.read_bytes() for p in sorted(KERNEL_DIR.glob("*.[ch]*")))
+    src = _source_bytes()
     version = subprocess.run([compiler, "--version"], capture_output=True, text=True, check=True).stdout
     key = hashlib.sha256(b"\0".join([src, " ".join(flags).encode(), version.encode(), cpu_flags().encode()]))
     name = f"dspark_kernels_{key.hexdigest()[:16]}.so"
@@ -163,6 +172,9 @@ SIGNATURES = {  # every function returns an int status (0: done)
     "dspark_markov_sample_f32": [_P, *[_I] * 4, *[_P] * 10, _C],
     # x; m, k; packed bf16 weight; n; out; accumulate; threads
     "dspark_linear_bf16": [_P, _I, _I, _P, _I, _P, _C, _C],
+    # the same; variant: 0 dot (VDPBF16PS), 1 fma (float32 FMAs)
+    "dspark_linear_bf16_variant": [_P, _I, _I, _P, _I, _P, _C, _C, _C],
+    "dspark_bf16_gemm_variant": [],
     "dspark_has_bf16": [],
     # logits; rows, vocab; temperatures, uniforms (float64), keyed (uint8), keys (uint64), out; threads
     "dspark_sample_temperature": [_P, _I, _I, *[_P] * 5, _C],
