@@ -35,9 +35,14 @@ def lib() -> object:
 @pytest.mark.parametrize("m", [1, 3, 8, 9, 16, 20, 31, 77, 300])
 @pytest.mark.parametrize("accumulate", [0, 1])
 @pytest.mark.parametrize("variant", [0, 1], ids=["dot", "fma"])
-def test_bf16_kernel_is_the_bf16_rounded_product(lib: object, m: int, accumulate: int, variant: int) -> None:
+@pytest.mark.parametrize("n", [160, 512])
+def test_bf16_kernel_is_the_bf16_rounded_product(
+    lib: object, m: int, accumulate: int, variant: int, n: int
+) -> None:
     g = torch.Generator().manual_seed(m)
-    k, n = 96, 160  # K even, N five blocks of 32; m: one row, tails of 8-row groups, prefill-sized batches
+    # K even; N five blocks of 32, or 16 (threads then take groups of 4 blocks, and a tail of 1-3
+    # rows runs over several blocks at once); m: one row, tails of 8-row groups, prefill-sized batches
+    k = 96
     wt = torch.randn(k, n, generator=g)
     x = torch.randn(m, k, generator=g)
     out = torch.randn(m, n, generator=g)

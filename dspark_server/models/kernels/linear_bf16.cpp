@@ -30,84 +30,111 @@ namespace {
 
 constexpr int64_t kPrefetch = 32;  // K pairs ahead (4 KB of the block's stream)
 
-// rows [mb, mb + MM) of x (as bf16 pairs, xp[r * K / 2 + kp]) times the 32 columns [n, n + 32)
-template <int MM>
-__attribute__((target("avx512f,avx512bf16"))) void block32_dot(const void* xv, int64_t kp_count,
-                                                                const uint16_t* w, int64_t n, float* out,
-                                                                int64_t ldo, bool accumulate) {
+// Both loops below take rows [mb, mb + MM) of x times NB consecutive 32-column blocks (block j at
+// w + j * kp_count * 64, columns [n + 32 j, n + 32 j + 32)). Each of a row's sums runs over K in
+// the same order whatever MM and NB are; NB > 1 serves the last few rows of a call, where one
+// block alone would leave too few independent accumulators to hide the FMA latency (one row, one
+// block: two chains of two dependent FMAs per K pair, half the issue rate).
+
+// x as bf16 pairs (xp[r * K / 2 + kp]); VDPBF16PS.
+template <int MM, int NB>
+__attribute__((target("avx512f,avx512bf16"))) void blocks_dot(const void* xv, int64_t kp_count,
+                                                               const uint16_t* w, int64_t n, float* out,
+                                                               int64_t ldo, bool accumulate) {
   const uint32_t* xp = static_cast<const uint32_t*>(xv);
-  __m512 acc[MM][2];
-  for (int r = 0; r < MM; ++r) acc[r][0] = acc[r][1] = _mm512_setzero_ps();
+  const int64_t stride = kp_count * 64;
+  __m512 acc[MM][NB][2];
+  for (int r = 0; r < MM; ++r)
+    for (int j = 0; j < NB; ++j) acc[r][j][0] = acc[r][j][1] = _mm512_setzero_ps();
   for (int64_t kp = 0; kp < kp_count; ++kp) {
-    // the block is one stream of K * 64 bytes: fetched kPrefetch pairs ahead, the weights of a
+    // each block is one stream of K * 64 bytes: fetched kPrefetch pairs ahead, the weights of a
     // model too big for the caches arrive while the dot products run (a 200 MB weight at 8 rows:
     // 16.9 -> 10.2 ms; at one row 9.8 -> 8.0 ms)
-    _mm_prefetch(reinterpret_cast<const char*>(w + (kp + kPrefetch) * 64), _MM_HINT_T0);
-    _mm_prefetch(reinterpret_cast<const char*>(w + (kp + kPrefetch) * 64 + 32), _MM_HINT_T0);
-    const __m512bh w0 = (__m512bh)_mm512_loadu_si512(w + kp * 64);
-    const __m512bh w1 = (__m512bh)_mm512_loadu_si512(w + kp * 64 + 32);
+    __m512bh wv[NB][2];
+    for (int j = 0; j < NB; ++j) {
+      const uint16_t* wj = w + j * stride;
+      _mm_prefetch(reinterpret_cast<const char*>(wj + (kp + kPrefetch) * 64), _MM_HINT_T0);
+      _mm_prefetch(reinterpret_cast<const char*>(wj + (kp + kPrefetch) * 64 + 32), _MM_HINT_T0);
+      wv[j][0] = (__m512bh)_mm512_loadu_si512(wj + kp * 64);
+      wv[j][1] = (__m512bh)_mm512_loadu_si512(wj + kp * 64 + 32);
+    }
     for (int r = 0; r < MM; ++r) {
       const __m512bh b = (__m512bh)_mm512_set1_epi32(static_cast<int>(xp[r * kp_count + kp]));
-      acc[r][0] = _mm512_dpbf16_ps(acc[r][0], w0, b);
-      acc[r][1] = _mm512_dpbf16_ps(acc[r][1], w1, b);
+      for (int j = 0; j < NB; ++j) {
+        acc[r][j][0] = _mm512_dpbf16_ps(acc[r][j][0], wv[j][0], b);
+        acc[r][j][1] = _mm512_dpbf16_ps(acc[r][j][1], wv[j][1], b);
+      }
     }
   }
-  for (int r = 0; r < MM; ++r) {
-    float* o = out + r * ldo + n;
-    if (accumulate) {
-      acc[r][0] = _mm512_add_ps(acc[r][0], _mm512_loadu_ps(o));
-      acc[r][1] = _mm512_add_ps(acc[r][1], _mm512_loadu_ps(o + 16));
+  for (int r = 0; r < MM; ++r)
+    for (int j = 0; j < NB; ++j) {
+      float* o = out + r * ldo + n + 32 * j;
+      if (accumulate) {
+        acc[r][j][0] = _mm512_add_ps(acc[r][j][0], _mm512_loadu_ps(o));
+        acc[r][j][1] = _mm512_add_ps(acc[r][j][1], _mm512_loadu_ps(o + 16));
+      }
+      _mm512_storeu_ps(o, acc[r][j][0]);
+      _mm512_storeu_ps(o + 16, acc[r][j][1]);
     }
-    _mm512_storeu_ps(o, acc[r][0]);
-    _mm512_storeu_ps(o + 16, acc[r][1]);
-  }
 }
 
 // The same product with float32 FMAs: x is the bf16-rounded rows as float32 (xr[r * K + k]); a
 // 32-bit pair of the packed block holds column c's weights at k (low half) and k + 1 (high half),
 // which as float32 are the pair shifted left by 16 and the pair with its low half cleared.
-template <int MM>
-__attribute__((target("avx512f"))) void block32_fma(const void* xv, int64_t kp_count, const uint16_t* w,
-                                                    int64_t n, float* out, int64_t ldo, bool accumulate) {
+template <int MM, int NB>
+__attribute__((target("avx512f"))) void blocks_fma(const void* xv, int64_t kp_count, const uint16_t* w,
+                                                   int64_t n, float* out, int64_t ldo, bool accumulate) {
   const float* xr = static_cast<const float*>(xv);
-  const int64_t k = kp_count * 2;
+  const int64_t k = kp_count * 2, stride = kp_count * 64;
   const __m512i high = _mm512_set1_epi32(static_cast<int>(0xFFFF0000u));
-  __m512 acc[MM][2];
-  for (int r = 0; r < MM; ++r) acc[r][0] = acc[r][1] = _mm512_setzero_ps();
+  __m512 acc[MM][NB][2];
+  for (int r = 0; r < MM; ++r)
+    for (int j = 0; j < NB; ++j) acc[r][j][0] = acc[r][j][1] = _mm512_setzero_ps();
   for (int64_t kp = 0; kp < kp_count; ++kp) {
-    _mm_prefetch(reinterpret_cast<const char*>(w + (kp + kPrefetch) * 64), _MM_HINT_T0);
-    _mm_prefetch(reinterpret_cast<const char*>(w + (kp + kPrefetch) * 64 + 32), _MM_HINT_T0);
-    const __m512i p0 = _mm512_loadu_si512(w + kp * 64);
-    const __m512i p1 = _mm512_loadu_si512(w + kp * 64 + 32);
-    const __m512 even0 = _mm512_castsi512_ps(_mm512_slli_epi32(p0, 16));
-    const __m512 odd0 = _mm512_castsi512_ps(_mm512_and_si512(p0, high));
-    const __m512 even1 = _mm512_castsi512_ps(_mm512_slli_epi32(p1, 16));
-    const __m512 odd1 = _mm512_castsi512_ps(_mm512_and_si512(p1, high));
+    __m512 even[NB][2], odd[NB][2];
+    for (int j = 0; j < NB; ++j) {
+      const uint16_t* wj = w + j * stride;
+      _mm_prefetch(reinterpret_cast<const char*>(wj + (kp + kPrefetch) * 64), _MM_HINT_T0);
+      _mm_prefetch(reinterpret_cast<const char*>(wj + (kp + kPrefetch) * 64 + 32), _MM_HINT_T0);
+      for (int h = 0; h < 2; ++h) {
+        const __m512i pair = _mm512_loadu_si512(wj + kp * 64 + 32 * h);
+        even[j][h] = _mm512_castsi512_ps(_mm512_slli_epi32(pair, 16));
+        odd[j][h] = _mm512_castsi512_ps(_mm512_and_si512(pair, high));
+      }
+    }
     for (int r = 0; r < MM; ++r) {
       const __m512 xe = _mm512_set1_ps(xr[r * k + 2 * kp]);
       const __m512 xo = _mm512_set1_ps(xr[r * k + 2 * kp + 1]);
-      acc[r][0] = _mm512_fmadd_ps(even0, xe, acc[r][0]);
-      acc[r][1] = _mm512_fmadd_ps(even1, xe, acc[r][1]);
-      acc[r][0] = _mm512_fmadd_ps(odd0, xo, acc[r][0]);
-      acc[r][1] = _mm512_fmadd_ps(odd1, xo, acc[r][1]);
+      for (int j = 0; j < NB; ++j)
+        for (int h = 0; h < 2; ++h) acc[r][j][h] = _mm512_fmadd_ps(even[j][h], xe, acc[r][j][h]);
+      for (int j = 0; j < NB; ++j)
+        for (int h = 0; h < 2; ++h) acc[r][j][h] = _mm512_fmadd_ps(odd[j][h], xo, acc[r][j][h]);
     }
   }
-  for (int r = 0; r < MM; ++r) {
-    float* o = out + r * ldo + n;
-    if (accumulate) {
-      acc[r][0] = _mm512_add_ps(acc[r][0], _mm512_loadu_ps(o));
-      acc[r][1] = _mm512_add_ps(acc[r][1], _mm512_loadu_ps(o + 16));
+  for (int r = 0; r < MM; ++r)
+    for (int j = 0; j < NB; ++j) {
+      float* o = out + r * ldo + n + 32 * j;
+      if (accumulate) {
+        acc[r][j][0] = _mm512_add_ps(acc[r][j][0], _mm512_loadu_ps(o));
+        acc[r][j][1] = _mm512_add_ps(acc[r][j][1], _mm512_loadu_ps(o + 16));
+      }
+      _mm512_storeu_ps(o, acc[r][j][0]);
+      _mm512_storeu_ps(o + 16, acc[r][j][1]);
     }
-    _mm512_storeu_ps(o, acc[r][0]);
-    _mm512_storeu_ps(o + 16, acc[r][1]);
-  }
 }
 
 using Block = void (*)(const void*, int64_t, const uint16_t*, int64_t, float*, int64_t, bool);
-constexpr Block kDot[9] = {nullptr,         block32_dot<1>, block32_dot<2>, block32_dot<3>, block32_dot<4>,
-                           block32_dot<5>, block32_dot<6>, block32_dot<7>, block32_dot<8>};
-constexpr Block kFma[9] = {nullptr,         block32_fma<1>, block32_fma<2>, block32_fma<3>, block32_fma<4>,
-                           block32_fma<5>, block32_fma<6>, block32_fma<7>, block32_fma<8>};
+// [rows][i]: the loop over 1 << i blocks at once; a tail of r rows takes up to kTailBlocks[r]
+constexpr int64_t kTailBlocks[9] = {0, 4, 2, 2, 1, 1, 1, 1, 1};
+#define DSPARK_BLOCK_TABLE(F)                                                                    \
+  {                                                                                              \
+    {nullptr, nullptr, nullptr}, {F<1, 1>, F<1, 2>, F<1, 4>}, {F<2, 1>, F<2, 2>, F<2, 2>},       \
+        {F<3, 1>, F<3, 2>, F<3, 2>}, {F<4, 1>, F<4, 1>, F<4, 1>}, {F<5, 1>, F<5, 1>, F<5, 1>},   \
+        {F<6, 1>, F<6, 1>, F<6, 1>}, {F<7, 1>, F<7, 1>, F<7, 1>}, {F<8, 1>, F<8, 1>, F<8, 1>} \
+  }
+constexpr Block kDot[9][3] = DSPARK_BLOCK_TABLE(blocks_dot);
+constexpr Block kFma[9][3] = DSPARK_BLOCK_TABLE(blocks_fma);
+#undef DSPARK_BLOCK_TABLE
 
 enum Variant { kVariantDot = 0, kVariantFma = 1 };
 
@@ -132,16 +159,30 @@ int run(int variant, const float* x, int64_t m, int64_t k, const uint16_t* wp, i
     uint16_t* xh = static_cast<uint16_t*>(xb);
     for (int64_t i = 0; i < m * k; ++i) xh[i] = static_cast<uint16_t>(rounded_bits(x[i]) >> 16);
   }
-  const Block* blocks = fma ? kFma : kDot;
-  const int64_t row_stride = fma ? k * static_cast<int64_t>(sizeof(float)) : k * static_cast<int64_t>(sizeof(uint16_t));
+  const Block(*blocks)[3] = fma ? kFma : kDot;
+  const int64_t row_stride = k * static_cast<int64_t>(fma ? sizeof(float) : sizeof(uint16_t));
   const char* xbytes = static_cast<const char*>(xb);
-  const int64_t nblocks = n / 32;
-#pragma omp parallel for num_threads(nthreads) schedule(static) if (nthreads > 1 && nblocks > 1)
-  for (int64_t b = 0; b < nblocks; ++b) {
-    for (int64_t mb = 0; mb < m; mb += 8) {
-      const int64_t mm = m - mb < 8 ? m - mb : 8;
-      blocks[mm](xbytes + mb * row_stride, kp_count, wp + b * kp_count * 64, b * 32, out + mb * n, n,
-                 accumulate != 0);
+  const int64_t nblocks = n / 32, block_stride = kp_count * 64;
+  // threads take groups of 4 (or 2) blocks where there are enough to keep every thread busy, so
+  // that a tail of 1-3 rows can run over several blocks at once
+  int64_t group = 1;
+  if (nblocks % 4 == 0 && nblocks / 4 >= 2 * nthreads)
+    group = 4;
+  else if (nblocks % 2 == 0 && nblocks / 2 >= 2 * nthreads)
+    group = 2;
+  const int64_t full = m / 8 * 8, tail = m - full;
+#pragma omp parallel for num_threads(nthreads) schedule(static) if (nthreads > 1 && nblocks / group > 1)
+  for (int64_t b0 = 0; b0 < nblocks; b0 += group) {
+    for (int64_t b = b0; b < b0 + group; ++b)
+      for (int64_t mb = 0; mb < full; mb += 8)
+        blocks[8][0](xbytes + mb * row_stride, kp_count, wp + b * block_stride, b * 32, out + mb * n, n,
+                     accumulate != 0);
+    if (tail) {
+      const int64_t step = kTailBlocks[tail] < group ? kTailBlocks[tail] : group;
+      const Block kernel = blocks[tail][step == 4 ? 2 : step - 1];
+      for (int64_t b = b0; b < b0 + group; b += step)
+        kernel(xbytes + full * row_stride, kp_count, wp + b * block_stride, b * 32, out + full * n, n,
+               accumulate != 0);
     }
   }
   free(xb);
