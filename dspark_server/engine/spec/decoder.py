@@ -146,6 +146,7 @@ class SpeculativeDecoder:
         self.overhead = overhead  # None: price steps by SPS(B) alone, as the method doc does
         self.lookup = lookup  # None: the drafter drafts for every request
         self._steps_since_refresh = 0
+        self._refreshed_at = float("-inf")
         self._planned_from = planner.sps_table  # the table the planner's current one was made from
         if planner.sps_table is not None:
             planner.set_sps_table(self._planning_table(planner.sps_table))
@@ -442,12 +443,16 @@ class SpeculativeDecoder:
         (``fit_roofline``); the method doc's cost model uses the measured probes as they are."""
         return fit_roofline(table) if self.overhead is not None else monotone_envelope(table)
 
-    def _refresh_sps_table(self, every: int = 64) -> None:
-        """Hand the planner the live-refreshed curve; it moves slowly, so every few steps."""
+    def _refresh_sps_table(self, every: int = 64, min_interval_s: float = 0.5) -> None:
+        """Hand the planner the live-refreshed curve; it moves slowly, so every few steps and at
+        most twice a second (a refit costs ~0.5 ms, 64 steps of the demo pair ~30 ms)."""
         self._steps_since_refresh += 1
         if self.live_sps is None or self._steps_since_refresh < every:
             return
-        self._steps_since_refresh = 0
+        now = time.perf_counter()
+        if now - self._refreshed_at < min_interval_s:
+            return
+        self._steps_since_refresh, self._refreshed_at = 0, now
         current = self.live_sps.current_table()
         if current is not self._planned_from:  # unchanged (e.g. refresh off): nothing to refit
             self._planned_from = current
