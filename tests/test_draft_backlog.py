@@ -27,7 +27,9 @@ class ScriptedGate(DraftGate):
         super().__init__()
         self._pattern = itertools.cycle(pattern)
 
-    def choose(self, request_ids: Sequence[str], regimes: Sequence[float] | None = None) -> list[int]:
+    def choose(
+        self, request_ids: Sequence[str], regimes: Sequence[float] | None = None, room: int | None = None
+    ) -> list[int]:
         pick = next(self._pattern)
         if isinstance(pick, str):
             return list(range(0 if pick == "even" else 1, len(request_ids), 2))

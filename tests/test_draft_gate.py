@@ -475,3 +475,26 @@ def test_a_clear_plain_choice_is_held_without_changing_any_choice() -> None:
     assert held == fresh  # same plain steps, same explorations, same newcomers explored
     assert sum(bool(c) for c in held) >= 10  # and the trace does explore
     assert fresh_full == 3000 and held_full < 3000 / 3  # most choices were held
+
+
+def test_warm_up_and_explorations_wait_for_a_step_where_every_request_can_draft() -> None:
+    """While prompts fill the step's budget (room for fewer draft tokens than requests), a step
+    that drafted would draft for a few requests only: a partial step, which measures neither a
+    drafting step nor a plain one. The warm-up and whole-step explorations wait for room."""
+    ids = [f"r{i}" for i in range(16)]
+    gate = DraftGate(min_samples=2, explore_every=2, max_explore_interval=8, prior_samples=0, explore_run=1)
+    for _ in range(20):  # ramping up: every step carries a prompt chunk
+        assert gate.choose(ids, room=5) == []
+        gate.record_plain(16, 0.010)
+    assert gate.choose(ids, room=16) == list(range(16))  # the first step with room: warm-up
+    gate.record(ids, True, [1.2] * 16, 0.060)
+    assert gate.choose(ids, room=200) == list(range(16))
+    gate.record(ids, True, [1.2] * 16, 0.060)
+    assert gate.choose(ids, room=200) == []  # measured: drafting loses (19.2 / 60 ms < 16 / 10 ms)
+    # an exploration falls due (max_explore_interval) but waits for room, then runs
+    picks = []
+    for _ in range(16):
+        picks.append(gate.choose(ids, room=3))
+        gate.record_plain(16, 0.010)
+    assert all(p == [] or len(p) < 16 for p in picks)
+    assert gate.choose(ids, room=16) == list(range(16))

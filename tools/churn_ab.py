@@ -31,7 +31,9 @@ from dspark_server.engine.request import RequestOutput, SamplingParams
 VARIANTS = ("off", "fixed", "dspark", "pinned", "no-margin", "no-hold")
 
 
-def _never(request_ids: Sequence[str], regimes: Sequence[float] | None = None) -> list[int]:
+def _never(
+    request_ids: Sequence[str], regimes: Sequence[float] | None = None, room: int | None = None
+) -> list[int]:
     return []
 
 

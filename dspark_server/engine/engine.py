@@ -157,7 +157,7 @@ class LLMEngine:
             spec.record_outside(n, drafted, time.perf_counter() - ended)
         self._decode_step_end = None
         room = self._draft_room(sched)
-        drafting = spec.drafting(sched.decodes)[:room] if spec is not None else []
+        drafting = spec.drafting(sched.decodes, room)[:room] if spec is not None else []
         if spec is not None and drafting:
             self._run_speculative(spec, sched, drafting, room)
             return

@@ -95,7 +95,7 @@ def machine_description() -> dict[str, str | int]:
         "cores": os.cpu_count() or 1,
         "torch_threads": torch.get_num_threads(),
         "torch": torch.__version__,
-        "kernels": source_digest(),  # a kernel change makes the cached tables stale
+        "kernels": source_digest(),  # the kernels a table was measured with
     }
 
 

@@ -154,14 +154,15 @@ class SpeculativeDecoder:
         # Called once per step with every decoding request's round (calibration, evaluation).
         self.round_observers: list[Callable[[RoundRecord], None]] = []
 
-    def drafting(self, decodes: list[Request]) -> list[Request]:
+    def drafting(self, decodes: list[Request], room: int | None = None) -> list[Request]:
         """The decoding requests that draft this step (the draft gate's choice; all of them,
         without a gate). Asked once per step: none sends the step down the engine's plain path,
-        then ``keep_plain``; the others go to ``step`` as its plain decodes."""
+        then ``keep_plain``; the others go to ``step`` as its plain decodes. ``room``: the draft
+        tokens the step's budget leaves (at most that many requests can draft)."""
         if not decodes or self.gate is None:
             return list(decodes)
         regimes = [r.params.temperature for r in decodes]
-        return [decodes[i] for i in self.gate.choose([r.request_id for r in decodes], regimes)]
+        return [decodes[i] for i in self.gate.choose([r.request_id for r in decodes], regimes, room)]
 
     def keep_plain(
         self,
