@@ -498,3 +498,24 @@ def test_warm_up_and_explorations_wait_for_a_step_where_every_request_can_draft(
         gate.record_plain(16, 0.010)
     assert all(p == [] or len(p) < 16 for p in picks)
     assert gate.choose(ids, room=16) == list(range(16))
+
+
+def test_a_bucket_that_measured_only_plain_steps_takes_drafting_from_its_measured_neighbour() -> None:
+    """A load ramping up fills a bucket with plain samples only (prompts take the budget); once a
+    neighbouring bucket is measured, the bucket prices drafting from it (scaled by the load
+    ratio) instead of warming up by drafting where drafting clearly loses."""
+    gate = DraftGate(min_samples=2, explore_every=4, max_explore_interval=4096, prior_samples=0)
+    mid = [f"m{i}" for i in range(40)]  # bucket of 32-63 requests: plain samples while ramping up
+    for _ in range(4):
+        assert gate.choose(mid, room=0) == []
+        gate.record_plain(40, 0.075)
+    top = [f"t{i}" for i in range(64)]  # 64 requests: warmed up (drafting loses 2.3 x 64 / 0.587 s)
+    for _ in range(2):
+        assert gate.choose(top, room=10_000) == list(range(64))
+        gate.record(top, True, [2.3] * 64, 0.587)
+    for _ in range(2):
+        assert gate.choose(top, room=10_000) == []
+        gate.record_plain(64, 0.160)
+    # ramping down: the mid bucket now has room and decides on rates, no warm-up drafting
+    picks = [gate.choose(mid, room=10_000) for _ in range(8)]
+    assert all(len(p) < len(mid) for p in picks)
