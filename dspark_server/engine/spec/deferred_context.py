@@ -82,9 +82,12 @@ class _Picked:
 class DeferredContext:
     """At most ``max_steps`` steps or ``max_bytes`` of features are held: writes taken at the
     bound cost what writing them at once would have, so the bound is set high enough that at high
-    load (where drafting rarely resumes) most requests finish first and their rows are dropped."""
+    load (where drafting rarely resumes) most requests finish first and their rows are dropped.
+    A token's features are 3 target layers' hidden states: 3 KB on the demo pair, 24 KB on the
+    K=8 twin, where 64 requests' prompts alone (~19k tokens) overflowed a 256 MB bound and the
+    catch-ups it forced cost 1.6 s of a 25.6 s run held on plain steps (off: 24.1 s)."""
 
-    def __init__(self, max_steps: int = 4096, max_bytes: int = 256 << 20) -> None:
+    def __init__(self, max_steps: int = 4096, max_bytes: int = 1 << 30) -> None:
         if max_steps < 1 or max_bytes < 1:
             raise ValueError("max_steps and max_bytes must be >= 1")
         self.max_steps = max_steps
