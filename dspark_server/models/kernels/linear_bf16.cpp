@@ -36,6 +36,22 @@ constexpr int64_t kPrefetch = 32;  // K pairs ahead (4 KB of the block's stream)
 // block alone would leave too few independent accumulators to hide the FMA latency (one row, one
 // block: two chains of two dependent FMAs per K pair, half the issue rate).
 
+// out[r, n + 32 j : n + 32 j + 32] (+)= the accumulators of row r, block j.
+template <int MM, int NB>
+__attribute__((target("avx512f"))) inline void store(__m512 (&acc)[MM][NB][2], float* out, int64_t ldo, int64_t n,
+                                                     bool accumulate) {
+  for (int r = 0; r < MM; ++r)
+    for (int j = 0; j < NB; ++j) {
+      float* o = out + r * ldo + n + 32 * j;
+      if (accumulate) {
+        acc[r][j][0] = _mm512_add_ps(acc[r][j][0], _mm512_loadu_ps(o));
+        acc[r][j][1] = _mm512_add_ps(acc[r][j][1], _mm512_loadu_ps(o + 16));
+      }
+      _mm512_storeu_ps(o, acc[r][j][0]);
+      _mm512_storeu_ps(o + 16, acc[r][j][1]);
+    }
+}
+
 // x as bf16 pairs (xp[r * K / 2 + kp]); VDPBF16PS.
 template <int MM, int NB>
 __attribute__((target("avx512f,avx512bf16"))) void blocks_dot(const void* xv, int64_t kp_count,
@@ -66,16 +82,7 @@ __attribute__((target("avx512f,avx512bf16"))) void blocks_dot(const void* xv, in
       }
     }
   }
-  for (int r = 0; r < MM; ++r)
-    for (int j = 0; j < NB; ++j) {
-      float* o = out + r * ldo + n + 32 * j;
-      if (accumulate) {
-        acc[r][j][0] = _mm512_add_ps(acc[r][j][0], _mm512_loadu_ps(o));
-        acc[r][j][1] = _mm512_add_ps(acc[r][j][1], _mm512_loadu_ps(o + 16));
-      }
-      _mm512_storeu_ps(o, acc[r][j][0]);
-      _mm512_storeu_ps(o + 16, acc[r][j][1]);
-    }
+  store<MM, NB>(acc, out, ldo, n, accumulate);
 }
 
 // The same product with float32 FMAs: x is the bf16-rounded rows as float32 (xr[r * K + k]); a
@@ -111,16 +118,7 @@ __attribute__((target("avx512f"))) void blocks_fma(const void* xv, int64_t kp_co
         for (int h = 0; h < 2; ++h) acc[r][j][h] = _mm512_fmadd_ps(odd[j][h], xo, acc[r][j][h]);
     }
   }
-  for (int r = 0; r < MM; ++r)
-    for (int j = 0; j < NB; ++j) {
-      float* o = out + r * ldo + n + 32 * j;
-      if (accumulate) {
-        acc[r][j][0] = _mm512_add_ps(acc[r][j][0], _mm512_loadu_ps(o));
-        acc[r][j][1] = _mm512_add_ps(acc[r][j][1], _mm512_loadu_ps(o + 16));
-      }
-      _mm512_storeu_ps(o, acc[r][j][0]);
-      _mm512_storeu_ps(o + 16, acc[r][j][1]);
-    }
+  store<MM, NB>(acc, out, ldo, n, accumulate);
 }
 
 using Block = void (*)(const void*, int64_t, const uint16_t*, int64_t, float*, int64_t, bool);
