@@ -150,12 +150,12 @@ int run(int variant, const float* x, int64_t m, int64_t k, const uint16_t* wp, i
   // dot reads the rows as bf16 pairs, fma as bf16-rounded float32
   void* xb = malloc((fma ? sizeof(float) : sizeof(uint16_t)) * m * k);
   if (!xb) return 1;
-  if (fma) {
-    uint32_t* xr = static_cast<uint32_t*>(xb);
-    for (int64_t i = 0; i < m * k; ++i) xr[i] = rounded_bits(x[i]) & 0xFFFF0000u;
-  } else {
-    uint16_t* xh = static_cast<uint16_t*>(xb);
-    for (int64_t i = 0; i < m * k; ++i) xh[i] = static_cast<uint16_t>(rounded_bits(x[i]) >> 16);
+  for (int64_t i = 0; i < m * k; ++i) {
+    const uint32_t bits = rounded_bits(x[i]);
+    if (fma)
+      static_cast<uint32_t*>(xb)[i] = bits & 0xFFFF0000u;
+    else
+      static_cast<uint16_t*>(xb)[i] = static_cast<uint16_t>(bits >> 16);
   }
   const Block(*blocks)[3] = fma ? kFma : kDot;
   const int64_t row_stride = k * static_cast<int64_t>(fma ? sizeof(float) : sizeof(uint16_t));
@@ -238,11 +238,6 @@ int dspark_has_bf16() { return __builtin_cpu_supports("avx512bf16") ? 1 : 0; }
 
 // The inner loop dspark_linear_bf16 runs in this process: 0 dot (VDPBF16PS), 1 fma (float32 FMAs).
 int dspark_bf16_gemm_variant() { return chosen_variant(); }
-
-// out[i] = x[i] rounded to bf16 (to nearest even; finite inputs): the GEMM input rounding.
-void dspark_round_bf16(const float* x, int64_t count, uint16_t* out) {
-  for (int64_t i = 0; i < count; ++i) out[i] = static_cast<uint16_t>(rounded_bits(x[i]) >> 16);
-}
 
 // Returns 0, or 1 for a bad argument (K odd, N not a multiple of 32, no AVX512-BF16, unknown variant).
 int dspark_linear_bf16_variant(const float* x, int64_t m, int64_t k, const uint16_t* wp, int64_t n, float* out,
