@@ -71,6 +71,7 @@ def _sglang_config(a: argparse.Namespace, spec_mode: str | None = None) -> SGLan
         ("--no-draft-gate", getattr(a, "no_draft_gate", False)),
         ("--sps-only-cost", getattr(a, "sps_only_cost", False)),
         ("--no-prompt-lookup", getattr(a, "no_prompt_lookup", False)),
+        ("--no-online-calibration", getattr(a, "no_online_calibration", False)),
         ("--greedy-calibration", getattr(a, "greedy_calibration", None)),
     )
     native_only = [flag for flag, on in flags if on]
@@ -251,9 +252,15 @@ def cmd_profile(a: argparse.Namespace) -> None:
 
 
 def cmd_calibrate(a: argparse.Namespace) -> None:
-    from dspark_server.jobs.calibrate import CalibrateConfig, run_calibration
+    from dspark_server.jobs.calibrate import CalibrateConfig, run_calibration, run_evaluation
 
-    run_calibration(CalibrateConfig(engine=_engine_config(a), generate=_generate_config(a), out=a.out))
+    cfg = CalibrateConfig(
+        engine=_engine_config(a), generate=_generate_config(a), out=a.out, evaluate=a.evaluate
+    )
+    if cfg.evaluate is not None:
+        run_evaluation(cfg)
+    else:
+        run_calibration(cfg)
 
 
 def cmd_eval_acceptance(a: argparse.Namespace) -> None:
@@ -371,7 +378,18 @@ def build_parser() -> argparse.ArgumentParser:
     cal = command(sub, "calibrate", "fit STS confidence temperatures from full-γ rounds")
     add_engine_args(cal, speculation="gamma", serving=False)
     _generation_args(cal, max_tokens=96, concurrency=8)
-    cal.add_argument("--out", required=True, help="calibration JSON (a reliability PNG goes beside it)")
+    cal.add_argument(
+        "--out",
+        required=True,
+        help="calibration JSON (a reliability PNG goes beside it); with --evaluate: the report JSON",
+    )
+    cal.add_argument(
+        "--evaluate",
+        metavar="CALIBRATION",
+        default=None,
+        help="fit nothing: measure this calibration file's per-position ECE on the rounds "
+        "(prompts it was not fit on), merged per temperature into the report at --out",
+    )
     cal.set_defaults(func=cmd_calibrate)
 
     ev = command(sub, "eval", "offline evaluations")

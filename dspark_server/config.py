@@ -124,6 +124,9 @@ class SpeculativeConfig:
     # every speculative mode: where a request repeats itself, draft the continuation of the
     # repeated text (prompt lookup) instead of the drafter's block (engine/spec/lookup.py)
     prompt_lookup: bool = True
+    # dspark mode: correct the calibration file by the server's own verified rounds
+    # (planner/online_calibration.py)
+    online_calibration: bool = True
 
     def __post_init__(self) -> None:
         if self.mode not in SPEC_MODES:

@@ -179,6 +179,12 @@ def add_engine_args(
                 "the continuation of the repeated text is drafted there: prompt lookup)",
             )
             s.add_argument(
+                "--no-online-calibration",
+                action="store_true",
+                help="dspark mode: plan on the calibration file as it is (by default it is "
+                "corrected by the acceptance of the rounds this server verifies)",
+            )
+            s.add_argument(
                 "--sps-only-cost",
                 action="store_true",
                 help="dspark mode: price a step by SPS(B) alone (the paper's cost model), leaving "
@@ -215,6 +221,7 @@ def engine_config_from_args(
         draft_gate=not getattr(ns, "no_draft_gate", False),
         price_step_overhead=not getattr(ns, "sps_only_cost", False),
         prompt_lookup=not getattr(ns, "no_prompt_lookup", False),
+        online_calibration=not getattr(ns, "no_online_calibration", False),
         **{f.field: v for f in _SPEC if (v := _arg(ns, f)) is not None},
     )
     capacity = {f.field: v for f in _CAPACITY if (v := _arg(ns, f)) is not None}

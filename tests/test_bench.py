@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from dspark_server.bench.main import main as bench_main
-from dspark_server.bench.oracle import oracle_budget, replay
+from dspark_server.bench.oracle import ONLINE, oracle_budget, replay
 from dspark_server.planner import SpsCostTable, save_sps_table
 from dspark_server.testing.tiny import build_tiny_drafter
 from tools.paper import threshold_rows
@@ -164,6 +164,25 @@ def test_oracle_replay_arithmetic() -> None:
     flat = SpsCostTable((1,), (100.0,), 64)
     perfect = [{"confidences": [[0.9] * 4] * 3, "accepted": [4, 4, 4]}]
     assert replay(perfect, flat, 1, gamma=4)["fixed"]["ratio_to_oracle"] == pytest.approx(1.0)
+
+
+def test_oracle_replay_of_online_recalibration() -> None:
+    """The dspark planner with the server's online recalibration: the file's confidences while
+    few rounds are seen, then the acceptance the rounds show (here: far below the confidences)."""
+    table = SpsCostTable((1, 4, 8), (100.0, 80.0, 40.0), 64)
+    rng = np.random.default_rng(1)
+
+    def overconfident(n: int) -> list[dict[str, list]]:
+        return [
+            {"confidences": [[0.95] * 4] * n, "accepted": rng.choice([0, 1], n, p=[0.7, 0.3]).tolist()}
+            for _ in range(4)
+        ]
+
+    few = replay(overconfident(40), table, 2, gamma=4)
+    assert few[ONLINE] == few["dspark"]  # 160 rounds: no map yet
+    many = replay(overconfident(600), table, 2, gamma=4)
+    assert many[ONLINE]["mean_verify_len"] < many["dspark"]["mean_verify_len"] - 1
+    assert many[ONLINE]["ratio_to_oracle"] > many["dspark"]["ratio_to_oracle"] + 0.05
 
 
 def test_threshold_rows() -> None:

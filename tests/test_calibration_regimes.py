@@ -15,7 +15,8 @@ import pytest
 import torch
 
 from dspark_server.assets import DEMO_DRAFT
-from dspark_server.jobs.calibrate import merge_into
+from dspark_server.cli import main as dspark_main
+from dspark_server.jobs.calibrate import Rounds, held_out_ece, merge_into
 from dspark_server.planner import (
     CalibrationSet,
     RegimeCalibration,
@@ -293,6 +294,59 @@ def test_shipped_calibration_meets_two_percent_per_position_in_every_regime() ->
     for regime in cal.regimes:
         png = DEMO_DRAFT / f"sts_calibration.t{regime.sampling_temperature:g}.png"
         assert png.is_file() and png.stat().st_size > 10_000
+
+
+# --- held-out evaluation (`dspark calibrate --evaluate`) ---------------------------------
+
+
+def as_rounds(logits: torch.Tensor, accepted: torch.Tensor) -> Rounds:
+    return Rounds(logits, accepted, torch.arange(logits.shape[0]) // 50)
+
+
+def test_held_out_ece_measures_the_calibration_on_rounds_it_was_not_fit_on() -> None:
+    cal = CalibrationSet((fit_regime(*biased_rounds(30_000, 4, bias=2.0, seed=0), 0.7),))
+    same = held_out_ece(cal, as_rounds(*biased_rounds(30_000, 4, bias=2.0, seed=1)), 0.7)
+    assert same.regime == 0.7 and same.rounds == 30_000 and same.prompts == 600
+    assert max(same.calibrated) < 0.015, same.calibrated
+    assert min(same.raw) > 0.05 and max(same.raw) > 0.1, same.raw  # the bias the fit removed
+    for p, r in zip(same.predicted, same.realised, strict=True):
+        assert abs(p - r) < 0.015
+    # rounds of another acceptance (a prompt set the calibration never saw) show up as ECE
+    shifted = held_out_ece(cal, as_rounds(*biased_rounds(30_000, 4, bias=0.0, seed=2)), 0.7)
+    assert min(shifted.calibrated) > 0.05, shifted.calibrated
+    assert all(p > r + 0.05 for p, r in zip(shifted.predicted, shifted.realised, strict=True))
+
+
+def test_held_out_ece_reads_the_regime_the_planner_reads() -> None:
+    hot = fit_regime(*biased_rounds(20_000, 3, bias=2.0, seed=0), 1.0)
+    cold = fit_regime(*biased_rounds(20_000, 3, bias=-1.0, seed=0), 0.0)
+    cal = CalibrationSet((cold, hot))
+    rounds = as_rounds(*biased_rounds(20_000, 3, bias=2.0, seed=3))
+    right = held_out_ece(cal, rounds, 0.9)
+    assert right.regime == 1.0 and max(right.calibrated) < 0.02
+    wrong = held_out_ece(cal, rounds, 0.0)
+    assert wrong.regime == 0.0 and min(wrong.calibrated) > 0.1
+
+
+def test_calibrate_evaluate_writes_a_report_per_temperature(tmp_path: Path) -> None:
+    prompts = tmp_path / "p.jsonl"
+    lines = ["Write a function that adds two numbers.", "Tell me about the sea."]
+    prompts.write_text("".join(json.dumps({"turns": [t]}) + "\n" for t in lines))
+    shipped = str(DEMO_DRAFT / "sts_calibration.json")
+    out = tmp_path / "ece.json"
+    for t in ("0", "0.7"):
+        common = ["--prompts", str(prompts), "--max-tokens", "40", "--seed", "1", "--quiet"]
+        dspark_main(["calibrate", "--evaluate", shipped, *common, "--temperature", t, "--out", str(out)])
+    report = json.loads(out.read_text())
+    rows = report["evaluations"]
+    assert [(r["calibration"], r["sampling_temperature"]) for r in rows] == [(shipped, 0.0), (shipped, 0.7)]
+    for row in rows:
+        assert row["regime"] == row["sampling_temperature"] and row["prompts"] == 2
+        assert row["rounds"] >= 4
+        for key in ("raw", "sts", "calibrated", "realised", "predicted"):
+            assert len(row[key]) == 7 and all(0.0 <= v <= 1.0 for v in row[key])
+        assert (tmp_path / f"ece.t{row['sampling_temperature']:g}.png").stat().st_size > 10_000
+    assert load_calibration_set(DEMO_DRAFT / "sts_calibration.json").sampling_temperatures == SHIPPED_REGIMES
 
 
 # --- the calibration job's merge --------------------------------------------------------

@@ -47,12 +47,16 @@ from dspark_server.bench.common import (
 )
 from dspark_server.bench.render import oracle_markdown
 from dspark_server.planner import (
+    OnlineCalibration,
+    OnlineCalibrationConfig,
     PlannerConfig,
     SpsCostTable,
     fit_roofline,
     load_sps_table,
     make_planner,
 )
+
+ONLINE = "dspark+online"  # the dspark planner with the server's online recalibration
 
 # ---------------------------------------------------------------------------------------------
 # Recording
@@ -220,13 +224,18 @@ def replay(
     concurrency: int,
     gamma: int,
     threshold: float = 0.5,
-    planners: Sequence[str] = ("off", "fixed", "threshold", "dspark"),
+    planners: Sequence[str] = ("off", "fixed", "threshold", "dspark", ONLINE),
 ) -> dict[str, dict[str, float]]:
-    """Θ per planner (and the oracle) over the recorded rounds batched ``concurrency`` at a time."""
+    """Θ per planner (and the oracle) over the recorded rounds batched ``concurrency`` at a time.
+    ``ONLINE`` is the dspark planner on the recorded confidences corrected online (as ``dspark
+    serve`` plans): each step by the maps fit on the positions earlier steps verified."""
     made = {
-        name: make_planner(PlannerConfig(mode=name, gamma=gamma, threshold=threshold), table)
+        name: make_planner(
+            PlannerConfig(mode="dspark" if name == ONLINE else name, gamma=gamma, threshold=threshold), table
+        )
         for name in planners
     }
+    online = OnlineCalibration(gamma, (0.0,), OnlineCalibrationConfig(min_refit_interval_s=0.0))
     acc = {name: _Acc() for name in planners}
     rounds = [
         (np.asarray(r["confidences"], dtype=np.float32), np.asarray(r["accepted"], dtype=np.int64))
@@ -242,7 +251,12 @@ def replay(
         true = np.array([rounds[i][1][k] for i, k in active])
         n = len(active)
         for name, planner in made.items():
-            lens = planner.plan(torch.from_numpy(conf)).numpy()
+            if name == ONLINE:  # one regime: every recorded round has the run's temperature
+                survival, regime = np.cumprod(conf.astype(np.float64), axis=1), np.zeros(n)
+                lens = planner.plan_survival(online.correct(survival, regime)).verify_lens.numpy()
+                online.record(survival, regime, true, lens)
+            else:
+                lens = planner.plan(torch.from_numpy(conf)).numpy()
             acc[name].add(
                 float((np.minimum(true, lens) + 1).sum()),
                 float(lens.sum()),

@@ -46,6 +46,7 @@ MODE_COLORS = {
     "threshold": "tab:orange",
     "dspark": "tab:red",
     "dspark_budget": "tab:purple",
+    "dspark+online": "tab:green",
     "oracle": "black",
 }
 

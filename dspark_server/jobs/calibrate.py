@@ -11,15 +11,28 @@ so the regimes of a set are fit by one run each:
 The SGLang-visible part of the file (``temperatures`` ...) is the STS of the set's highest
 sampling temperature. A reliability diagram of this run's rounds is written beside the JSON
 (``<stem>.t<temperature>.png``).
+
+``dspark calibrate --evaluate FILE`` fits nothing: it records rounds the same way (on prompts the
+calibration was not fit on) and reports the per-position ECE of FILE's calibration on them — raw
+confidences, STS alone, and the full calibration the planner uses — merged per temperature into
+the report JSON at ``--out``, with the reliability diagram beside it:
+
+    for t in 0 0.3 0.7 1.0; do
+      dspark calibrate --evaluate DRAFT/sts_calibration.json --prompts held_out.jsonl \
+        --temperature $t --out runs/ece_held_out.json
+    done
 """
 
 from __future__ import annotations
 
+import json
 import logging
 import sys
-from dataclasses import dataclass, replace
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
+from typing import Any
 
+import numpy as np
 import torch
 
 from dspark_server.config import EngineConfig
@@ -28,11 +41,14 @@ from dspark_server.engine.spec.rounds import RoundRecord
 from dspark_server.offline import GenerateConfig, generate
 from dspark_server.planner import (
     CalibrationSet,
+    OnlineCalibration,
+    OnlineCalibrationConfig,
     RegimeCalibration,
     fit_regime,
     load_calibration_set,
     plot_calibration_set,
     save_calibration_set,
+    survival_ece,
 )
 
 log = logging.getLogger(__name__)
@@ -43,6 +59,7 @@ class CalibrateConfig:
     engine: EngineConfig
     generate: GenerateConfig
     out: str
+    evaluate: str | None = None  # a calibration file to measure on the rounds instead of fitting
 
 
 @dataclass(frozen=True)
@@ -130,3 +147,114 @@ def run_calibration(cfg: CalibrateConfig) -> CalibrationSet:
         file=sys.stderr,
     )
     return cal
+
+
+@dataclass(frozen=True)
+class HeldOutEce:
+    """Per-position ECE (fractions) of one calibration on rounds it was not fit on."""
+
+    sampling_temperature: float  # the rounds'
+    regime: float  # the key of the file's regime nearest it (what the planner reads for them)
+    rounds: int
+    prompts: int
+    raw: tuple[float, ...]  # the drafter's confidences as they are (cumulative product)
+    sts: tuple[float, ...]  # stage 1 of that regime
+    calibrated: tuple[float, ...]  # the whole calibration, as the planner applies it
+    online: tuple[float, ...]  # the calibration corrected online, replayed in the rounds' order
+    realised: tuple[float, ...]  # P(accepted >= k) on the rounds
+    predicted: tuple[float, ...]  # mean calibrated survival at k
+
+
+def held_out_ece(cal: CalibrationSet, rounds: Rounds, sampling_temperature: float) -> HeldOutEce:
+    """``cal`` measured on ``rounds`` (full-γ rounds recorded at ``sampling_temperature``)."""
+    logits, accepted = rounds.logits.double(), rounds.accepted
+    if logits.shape[1] != cal.gamma:
+        raise ValueError(f"the rounds cover {logits.shape[1]} positions, the calibration {cal.gamma}")
+    regime = cal.nearest(sampling_temperature)
+    temps = torch.full((logits.shape[0],), float(sampling_temperature))
+    calibrated = cal.survival(logits, temps).double()
+    ks = torch.arange(1, cal.gamma + 1)
+    realised = (accepted.reshape(-1, 1) >= ks).double().mean(dim=0)
+    return HeldOutEce(
+        sampling_temperature=float(sampling_temperature),
+        regime=regime.sampling_temperature,
+        rounds=int(logits.shape[0]),
+        prompts=int(rounds.groups.max()) + 1 if rounds.groups.numel() else 0,
+        raw=survival_ece(torch.cumprod(torch.sigmoid(logits), dim=-1), accepted),
+        sts=survival_ece(regime.sts().survival(logits), accepted),
+        calibrated=survival_ece(calibrated, accepted),
+        online=survival_ece(torch.from_numpy(online_replay(calibrated.numpy(), rounds, temps)), accepted),
+        realised=tuple(realised.tolist()),
+        predicted=tuple(calibrated.mean(dim=0).tolist()),
+    )
+
+
+def online_replay(
+    survival: np.ndarray, rounds: Rounds, temperatures: torch.Tensor, rows_per_step: int = 16
+) -> np.ndarray:
+    """The survival the server's online recalibration would have planned each round on: the
+    rounds in their recorded order, ``rows_per_step`` to a step, each step corrected by the maps
+    fit on the steps before it, then recorded with every position verified (full-γ rounds)."""
+    online = OnlineCalibration(
+        survival.shape[1], (float(temperatures[0]),), OnlineCalibrationConfig(min_refit_interval_s=0.0)
+    )
+    temps = temperatures.numpy()
+    accepted = rounds.accepted.numpy()
+    lens = np.full(accepted.shape, survival.shape[1])
+    out = np.empty_like(survival)
+    for s in range(0, survival.shape[0], rows_per_step):
+        e = min(survival.shape[0], s + rows_per_step)
+        out[s:e] = online.correct(survival[s:e], temps[s:e])
+        online.record(survival[s:e], temps[s:e], accepted[s:e], lens[s:e])
+    return out
+
+
+def merge_report(out: Path, calibration: str, result: HeldOutEce) -> dict[str, Any]:
+    """The report at ``out`` with ``result`` in it (replacing the same calibration's entry at the
+    same temperature; a report that cannot be read is started afresh)."""
+    report: dict[str, Any] = {"evaluations": []}
+    if out.is_file():
+        try:
+            report = json.loads(out.read_text())
+            if not isinstance(report.get("evaluations"), list):
+                raise ValueError("no evaluations list")
+        except (ValueError, json.JSONDecodeError) as e:
+            log.warning("replacing unreadable report %s (%s)", out, e)
+            report = {"evaluations": []}
+    entry = {"calibration": calibration, **asdict(result)}
+    kept = [
+        e
+        for e in report["evaluations"]
+        if (e.get("calibration"), e.get("sampling_temperature")) != (calibration, result.sampling_temperature)
+    ]
+    key = lambda e: (str(e.get("calibration")), float(e.get("sampling_temperature", 0.0)))  # noqa: E731
+    report["evaluations"] = sorted([*kept, entry], key=key)
+    return report
+
+
+def run_evaluation(cfg: CalibrateConfig) -> HeldOutEce:
+    """Record rounds at the run's temperature and measure ``cfg.evaluate`` on them."""
+    assert cfg.evaluate is not None
+    cal = load_calibration_set(cfg.evaluate)  # read first: a bad file fails before the run
+    temperature = float(cfg.generate.temperature)
+    rounds = record_rounds(cfg)
+    if rounds.logits.shape[1] < cal.gamma:
+        cal = cal.truncated(rounds.logits.shape[1])
+    result = held_out_ece(cal, rounds, temperature)
+    out = Path(cfg.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    report = merge_report(out, cfg.evaluate, result)
+    out.write_text(json.dumps(report, indent=2, allow_nan=False) + "\n", encoding="utf-8")
+    png = out.with_name(f"{out.stem}.t{temperature:g}.png")
+    plot_calibration_set({temperature: (rounds.logits, rounds.accepted)}, cal, png)
+    print(
+        f"{cfg.evaluate} at temperature {temperature:g} (its regime {result.regime:g}): "
+        f"{result.rounds} held-out rounds of {result.prompts} prompts; per-position ECE in %\n"
+        f"  raw         {_pct(result.raw)}\n"
+        f"  STS         {_pct(result.sts)}\n"
+        f"  calibrated  {_pct(result.calibrated)}\n"
+        f"  + online    {_pct(result.online)}\n"
+        f"report {out}; plot {png}",
+        file=sys.stderr,
+    )
+    return result

@@ -12,10 +12,12 @@ from .calibration import (
     fit_survival_maps,
     load_calibration_set,
     plot_calibration_set,
+    reliability_knots,
     save_calibration_set,
     survival_ece,
 )
 from .live import CalibrationDriftTracker, LiveSpsPoint, LiveSpsTable, PositionDrift
+from .online_calibration import OnlineCalibration, OnlineCalibrationConfig
 from .planner import (
     PLANNER_MODES,
     DSparkBudgetPlanner,
@@ -57,6 +59,9 @@ from .sts import (
 )
 
 __all__ = [
+    "OnlineCalibration",
+    "OnlineCalibrationConfig",
+    "reliability_knots",
     "conditionals",
     "CalibrationSet",
     "RegimeCalibration",

@@ -546,7 +546,9 @@ def survival_ece(
     return tuple(expected_calibration_error(surv[:, k], targets[:, k], num_bins) for k in range(gamma))
 
 
-def _fit_knots(x: torch.Tensor, y: torch.Tensor, bins: int) -> tuple[tuple[float, ...], tuple[float, ...]]:
+def reliability_knots(
+    x: torch.Tensor, y: torch.Tensor, bins: int
+) -> tuple[tuple[float, ...], tuple[float, ...]]:
     """Equal-count bins of ``x``, isotonic realised frequencies of ``y``, knots at the bins'
     mean ``x`` (bins whose means tie are pooled)."""
     n = x.numel()
@@ -578,14 +580,14 @@ def fit_survival_maps(
     the capped map h (per position, from min(g_k, a_{k-1}), fit left to right)."""
     n, gamma = scores.shape
     targets = prefix_targets(accepted, gamma)
-    g_knots = [_fit_knots(scores[:, k], targets[:, k], bins) for k in range(gamma)]
+    g_knots = [reliability_knots(scores[:, k], targets[:, k], bins) for k in range(gamma)]
     g = SurvivalMap(tuple(x for x, _ in g_knots), tuple(y for _, y in g_knots))
     first = g(scores.to(torch.float64))
     prev = torch.ones(n, dtype=torch.float64)
     h_knots = []
     for k in range(gamma):
         capped = torch.minimum(first[:, k], prev)
-        xs, ys = _fit_knots(capped, targets[:, k], bins)
+        xs, ys = reliability_knots(capped, targets[:, k], bins)
         h_knots.append((xs, ys))
         h_k = torch.from_numpy(np.interp(capped.numpy(), xs, ys))
         prev = torch.minimum(h_k, prev)

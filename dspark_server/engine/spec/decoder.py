@@ -44,6 +44,8 @@ from dspark_server.planner import (
     CalibrationDriftTracker,
     CalibrationSet,
     LiveSpsTable,
+    OnlineCalibration,
+    OnlineCalibrationConfig,
     SpsCostTable,
     StsCalibration,
     VerifyPlanner,
@@ -88,6 +90,7 @@ class _Plan:
     lens: list[int]
     survival: np.ndarray | None  # [R, γ] float64: the calibrated prefix survival the plan used
     predicted_seconds: float | None = None  # τ / Θ of the chosen plan, when priced by a table
+    file_survival: np.ndarray | None = None  # [R, γ] the calibration file's, before online correction
 
     def confidences(self) -> torch.Tensor | None:
         """[R, γ] the calibrated per-position confidences (a_k / a_{k-1}), for the records."""
@@ -124,6 +127,7 @@ class SpeculativeDecoder:
         overhead: StepOverhead | None = None,
         greedy_calibration: StsCalibration | CalibrationSet | None = None,
         lookup: PromptLookup | None = None,
+        online_calibration: OnlineCalibrationConfig | None = None,
     ) -> None:
         if not 1 <= gamma <= drafter.gamma:
             raise ValueError(f"gamma must be in 1..{drafter.gamma} (the drafter's block size), got {gamma}")
@@ -137,6 +141,12 @@ class SpeculativeDecoder:
         self.calibrations = CalibrationSet.coerce(calibration, 1.0).with_greedy(greedy).truncated(gamma)
         self.calibration = self.calibrations.nearest(1.0).sts()
         self.greedy_calibration = self.calibrations.nearest(0.0).sts()
+        # the file corrected by the rounds this decoder verifies (None: the file as it is)
+        self.online = (
+            None
+            if online_calibration is None
+            else OnlineCalibration(gamma, self.calibrations.sampling_temperatures, online_calibration)
+        )
         self.live_sps = live_sps
         self.drift = drift
         self.gamma = gamma
@@ -377,10 +387,13 @@ class SpeculativeDecoder:
     ) -> _Plan:
         """ℓ_r from calibrated confidences (never from the drafted tokens' values), capped by
         the tokens a request may still emit and the step's budget (lengths only)."""
-        survival = None
+        survival = file_survival = None
         predicted: float | None = None
         if drafts.confidence_logits is not None:
-            survival = self.calibrated_survival(drafts.confidence_logits, sampling.temperature)
+            file_survival = self.calibrated_survival(drafts.confidence_logits, sampling.temperature)
+            survival = file_survival
+            if self.online is not None:
+                survival = self.online.correct(file_survival, sampling.temperature.numpy())
             if lookup_rows:  # priced by the lookup's own acceptance, not the drafter's head
                 assert self.lookup is not None
                 lookup = self.lookup.confidences([self.gamma] * len(lookup_rows)).to(torch.float64)
@@ -403,7 +416,7 @@ class SpeculativeDecoder:
         ]
         if survival is None and max_draft_tokens is not None:
             lens = cap_lengths(np.asarray(lens), max_draft_tokens).tolist()
-        return _Plan(lens, survival, predicted)
+        return _Plan(lens, survival, predicted, file_survival)
 
     def _observe(
         self, decodes: list[Request], drafts: Drafts, plan: _Plan, outcome: VerifyOutcome, rows: list[int]
@@ -415,6 +428,9 @@ class SpeculativeDecoder:
         accepted, lens = [outcome.accepted[i] for i in rows], [plan.lens[i] for i in rows]
         if plan.survival is not None:
             self.drift.record_arrays(plan.survival[rows], np.asarray(accepted), np.asarray(lens))
+        if self.online is not None and plan.file_survival is not None:
+            temps = np.array([decodes[i].params.temperature for i in rows], dtype=np.float64)
+            self.online.record(plan.file_survival[rows], temps, np.asarray(accepted), np.asarray(lens))
         if self.round_observers:
             at = torch.tensor(rows, dtype=torch.long)
             logits = drafts.confidence_logits[at] if drafts.confidence_logits is not None else None

@@ -24,6 +24,7 @@ from dspark_server.planner import (
     CalibrationDriftTracker,
     CalibrationSet,
     LiveSpsTable,
+    OnlineCalibrationConfig,
     PlannerConfig,
     SpsCostTable,
     load_calibration_set,
@@ -70,6 +71,7 @@ def build_speculative(cfg: EngineConfig, runner: ModelRunner) -> SpeculativeDeco
         overhead,
         resolve_greedy_calibration(cfg),
         PromptLookup(gamma) if spec.prompt_lookup else None,
+        OnlineCalibrationConfig() if spec.mode == "dspark" and spec.online_calibration else None,
     )
 
 
