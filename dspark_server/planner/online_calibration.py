@@ -40,8 +40,8 @@ class OnlineCalibrationConfig:
     window: int = 1024  # observations kept per regime and position
     bins: int = 8  # equal-count bins of the reliability map
     min_samples: int = 256  # observations before a position's map is used
-    refit_every: int = 64  # new observations of a regime's first position between refits
-    min_refit_interval_s: float = 0.25  # and at most this often (a refit costs ~1 ms)
+    refit_every: int = 64  # rounds recorded between refits
+    min_refit_interval_s: float = 0.25  # and at most this often (a refit costs ~1 ms per regime)
 
 
 class OnlineCalibration:
@@ -65,8 +65,11 @@ class OnlineCalibration:
         self._pred = np.zeros((m, gamma, w), dtype=np.float64)
         self._real = np.zeros((m, gamma, w), dtype=np.float64)
         self._count = np.zeros((m, gamma), dtype=np.int64)  # observations ever written
-        self._since_fit = np.zeros(m, dtype=np.int64)
-        self._fitted_at = np.full(m, -np.inf)
+        self._pending: list[tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]] = []
+        self._pending_rows = 0
+        self._fitted_at = -np.inf
+        self._active = False
+        self._stale: set[int] = set()  # regimes with rounds filed since their maps were fit
         # knots per (regime, position): None = the file's value as it is
         self._maps: list[list[tuple[np.ndarray, np.ndarray] | None]] = [[None] * gamma for _ in range(m)]
         self.refits = 0
@@ -74,20 +77,23 @@ class OnlineCalibration:
     def regime_index(self, temperatures: np.ndarray) -> np.ndarray:
         """[R] sampling temperatures -> [R] index of the nearest regime (ties to the lower)."""
         t = np.asarray(temperatures, dtype=np.float64).reshape(-1)
+        if len(self.regimes) == 1:
+            return np.zeros(t.shape, dtype=np.int64)
         return np.abs(t[:, None] - self.regimes[None, :]).argmin(axis=1)
 
     def active(self) -> bool:
         """Whether any map is in use (a fresh instance corrects nothing)."""
-        return any(m is not None for row in self._maps for m in row)
+        return self._active
 
     def correct(self, survival: np.ndarray, temperatures: np.ndarray) -> np.ndarray:
         """[R, γ] the file's prefix survival -> the survival to plan on (a new array)."""
         out = np.array(survival, dtype=np.float64, copy=True)
-        if not self.active() or out.shape[0] == 0:
+        if not self._active or out.shape[0] == 0:
             return out
         idx = self.regime_index(temperatures)
-        for m in np.unique(idx).tolist():
-            rows = idx == m
+        first = int(idx[0])
+        for m in [first] if bool((idx == first).all()) else np.unique(idx).tolist():
+            rows = slice(None) if m == first and len(idx) == 1 else idx == m
             for k, knots in enumerate(self._maps[m]):
                 if knots is not None:
                     out[rows, k] = np.interp(out[rows, k], knots[0], knots[1])
@@ -99,7 +105,8 @@ class OnlineCalibration:
     ) -> bool:
         """One step's rounds: the file's survival [R, γ] the rows were planned from (before
         ``correct``), their temperatures, drafts accepted and verified [R]. Positions 1..ℓ_r are
-        observed. Returns whether a map was refit."""
+        observed. The rounds wait in a list until the next refit is due (a step pays an append,
+        not the window's bookkeeping). Returns whether the maps were refit."""
         pred = np.asarray(survival, dtype=np.float64)
         acc = np.asarray(accepted).reshape(-1)
         ell = np.asarray(lens).reshape(-1)
@@ -107,15 +114,41 @@ class OnlineCalibration:
             raise ValueError(f"survival must be [R, {self.gamma}] with R accepted counts and lengths")
         if pred.shape[0] == 0:
             return False
-        idx = self.regime_index(temperatures)
-        positions = np.arange(self.gamma)
-        w = self.config.window
-        for m in np.unique(idx).tolist():
-            rows = idx == m
-            observed = ell[rows, None] > positions[None, :]  # [r, γ]
-            p, a = pred[rows], acc[rows]
+        self._pending.append((pred, np.asarray(temperatures, dtype=np.float64).reshape(-1), acc, ell))
+        self._pending_rows += pred.shape[0]
+        cfg = self.config
+        if self._pending_rows < cfg.refit_every:
+            return False
+        now = time.perf_counter()
+        if now - self._fitted_at < cfg.min_refit_interval_s:
+            if self._pending_rows >= cfg.window:  # file them meanwhile: the list stays bounded
+                self._file_pending()
+            return False
+        self._fitted_at = now
+        self._file_pending()
+        stale, self._stale = sorted(self._stale), set()
+        for m in stale:
             for k in range(self.gamma):
-                seen = observed[:, k]
+                self._maps[m][k] = self._fit(m, k)
+        self._active = any(knots is not None for row in self._maps for knots in row)
+        self.refits += 1
+        return True
+
+    def _file_pending(self) -> None:
+        """Write the waiting rounds into the windows; their regimes' maps are stale."""
+        pred = np.concatenate([p for p, _, _, _ in self._pending])
+        idx = self.regime_index(np.concatenate([t for _, t, _, _ in self._pending]))
+        acc = np.concatenate([a for _, _, a, _ in self._pending])
+        ell = np.concatenate([e for _, _, _, e in self._pending])
+        self._pending, self._pending_rows = [], 0
+        w = self.config.window
+        touched = np.unique(idx).tolist()
+        self._stale.update(touched)
+        for m in touched:
+            rows = idx == m
+            p, a, e = pred[rows], acc[rows], ell[rows]
+            for k in range(self.gamma):
+                seen = e > k
                 n = int(seen.sum())
                 if n == 0:
                     continue
@@ -124,22 +157,6 @@ class OnlineCalibration:
                 self._pred[m, k, slots] = x
                 self._real[m, k, slots] = y
                 self._count[m, k] += n
-            self._since_fit[m] += int(observed[:, 0].sum())
-        return self._maybe_refit(np.unique(idx).tolist())
-
-    def _maybe_refit(self, regimes: list[int]) -> bool:
-        cfg = self.config
-        now = time.perf_counter()
-        refit = False
-        for m in regimes:
-            if self._since_fit[m] < cfg.refit_every or now - self._fitted_at[m] < cfg.min_refit_interval_s:
-                continue
-            self._since_fit[m], self._fitted_at[m] = 0, now
-            for k in range(self.gamma):
-                self._maps[m][k] = self._fit(m, k)
-            self.refits += 1
-            refit = True
-        return refit
 
     def _fit(self, m: int, k: int) -> tuple[np.ndarray, np.ndarray] | None:
         n = int(min(self._count[m, k], self.config.window))
