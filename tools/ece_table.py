@@ -57,7 +57,8 @@ def plot(report: dict[str, Any], path: Path) -> None:
         for key, label in COLUMNS[2:]:
             ax.plot(ks, [100 * v for v in e[key]], marker="o", label=label)
         ax.axhline(2.0, color="k", linestyle=":", linewidth=1)
-        ax.set_title(f"{Path(e['calibration']).parent.parent.name} t={e['sampling_temperature']:g}", fontsize=9)
+        pair = Path(e["calibration"]).parent.parent.name
+        ax.set_title(f"{pair} t={e['sampling_temperature']:g}", fontsize=9)
         ax.set_xlabel("position k")
         ax.set_ylabel("ECE (%)")
         ax.legend(fontsize=7)

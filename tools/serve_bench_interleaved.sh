@@ -3,7 +3,7 @@
 # (one `dspark serve` per mode, on consecutive ports), and each point (prompt set, temperature,
 # concurrency) runs SGLang 0.5.23's bench_serving against mode after mode, so slow drifts of the
 # machine fall on all modes alike. Same bench_serving arguments as ../shared/tools/serve-bench.sh.
-# Run from the repository root, alone on the machine. Prints SYSTEM SET c=C T=T tps= ttft_ms= tpot_ms=
+# Run from the repository root, alone on the machine. Prints SYSTEM SET c=C T=T tps= ttft_ms= tpot_ms= [vpr_round= vpr_step=]
 # lines (python -m tools.serve_bench_table reads them).
 #   MODES ("off dspark fixed threshold"), CONCS ("1 4 16 64 128"), TEMPS ("0 1"), SETS ("code chat"),
 #   MODEL / DRAFT (default: the bundled pair), EXTRA (more `dspark serve` flags), PORT (18790)
@@ -23,6 +23,23 @@ with open(sys.argv[2], "w") as o:
         o.write(json.dumps({"conversations": [{"content": turn}, {"content": "x x x x"}]}) + "\n")
 PYEOF
 done
+# Draft tokens verified per request and decoding step (Figure 8 of the paper), from the server's
+# counters before and after a point: per drafting round (vpr_round), and per request-step
+# counting the gate's plain steps as zero (vpr_step; request-steps = rounds + tokens emitted
+# outside rounds - one first token per request).
+verified() {
+  awk -v n="$2" '
+    FNR == 1 { file++ }
+    /^dspark_spec_decode_num_verified_tokens_total / { v[file] = $2 }
+    /^dspark_spec_decode_num_drafts_total / { r[file] = $2 }
+    /^dspark_spec_decode_num_emitted_tokens_total / { e[file] = $2 }
+    /^dspark_generation_tokens_total / { g[file] = $2 }
+    END {
+      dv = v[2] - v[1]; dr = r[2] - r[1]; steps = dr + (g[2] - g[1]) - (e[2] - e[1]) - n
+      if (dr > 0) printf " vpr_round=%.2f", dv / dr
+      if (steps > 0) printf " vpr_step=%.2f", dv / steps
+    }' "$1.before.prom" "$1.after.prom"
+}
 declare -A PORTS; pids=()
 for m in $MODES; do
   # shellcheck disable=SC2086
@@ -38,6 +55,7 @@ for T in $TEMPS; do for set in $SETS; do for c in $CONCS; do
   n=$(( c == 1 ? 12 : (c <= 16 ? 48 : 2 * c) ))
   for m in $MODES; do
     f=$OUT/$m-$set-c$c-t$T
+    curl -s "127.0.0.1:${PORTS[$m]}/metrics" > "$f.before.prom"
     HF_HUB_OFFLINE=1 PYTHONPATH=$SITE timeout 900 "$PY" -m sglang.bench_serving --backend sglang-oai-chat \
       --base-url "http://127.0.0.1:${PORTS[$m]}" --model "$MODEL" --served-model-name target --tokenizer "$MODEL" \
       --dataset-name custom --dataset-path "$OUT/prompts/$set.jsonl" --sharegpt-context-len 896 --num-prompts $n \
@@ -45,6 +63,7 @@ for T in $TEMPS; do for set in $SETS; do for c in $CONCS; do
       --extra-request-body "{\"temperature\": $T}" --output-file "$f.jsonl" > "$f.log" 2>&1
     tps=$(grep -E 'Output token throughput' "$f.log" | awk '{print $NF}')
     ttft=$(grep -E 'Median TTFT' "$f.log" | awk '{print $NF}'); tpot=$(grep -E 'Median TPOT' "$f.log" | awk '{print $NF}')
-    echo "ours-$m $set c=$c T=$T tps=${tps:-0} ttft_ms=${ttft:-0} tpot_ms=${tpot:-0}"
+    curl -s "127.0.0.1:${PORTS[$m]}/metrics" > "$f.after.prom"
+    echo "ours-$m $set c=$c T=$T tps=${tps:-0} ttft_ms=${ttft:-0} tpot_ms=${tpot:-0}$(verified "$f" "$n")"
   done
 done; done; done

@@ -22,6 +22,7 @@ from dspark_server.bench.common import write_json
 LINE = re.compile(
     r"^(?P<sys>\S+) (?P<set>\S+) c=(?P<c>\d+) T=(?P<t>[\d.]+) tps=(?P<tps>[\d.]+) "
     r"ttft_ms=(?P<ttft>[\d.]+) tpot_ms=(?P<tpot>[\d.]+)"
+    r"(?: vpr_round=(?P<vpr_round>[\d.]+))?(?: vpr_step=(?P<vpr_step>[\d.]+))?"
 )
 OURS = "ours-dspark"
 
@@ -41,6 +42,10 @@ def parse(paths: list[Path]) -> list[dict[str, Any]]:
                         "tps": float(m["tps"]),
                         "ttft_ms": float(m["ttft"]),
                         "tpot_ms": float(m["tpot"]),
+                        # draft tokens verified per request per drafting round / per decoding
+                        # step (plain steps count 0); absent in older runs
+                        "verified_per_round": float(m["vpr_round"]) if m["vpr_round"] else None,
+                        "verified_per_step": float(m["vpr_step"]) if m["vpr_step"] else None,
                     }
                 )
     return rows
@@ -61,6 +66,8 @@ def tables(rows: list[dict[str, Any]]) -> str:
         head = ["concurrency", *[f"{s} tok/s" for s in systems]]
         if OURS in systems:
             head += ["dspark / off", "dspark / best other", "TTFT off ms", "TTFT dspark ms", "TTFT ratio"]
+            if any(r.get("verified_per_step") is not None for r in rows if r["system"] == OURS):
+                head += ["dspark verified / request / step"]
         out.append("| " + " | ".join(head) + " |")
         out.append("| " + " | ".join("---" for _ in head) + " |")
         for c in sorted(per_c):
@@ -77,6 +84,8 @@ def tables(rows: list[dict[str, Any]]) -> str:
                     _fmt(ours["ttft_ms"], 0),
                     _fmt(ours["ttft_ms"] / off["ttft_ms"] if off and off["ttft_ms"] > 0 else None),
                 ]
+                if "dspark verified / request / step" in head:
+                    line.append(_fmt(ours.get("verified_per_step")))
             out.append("| " + " | ".join(line) + " |")
         out.append("")
     return "\n".join(out)
