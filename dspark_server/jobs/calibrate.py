@@ -123,6 +123,12 @@ def merge_into(out: Path, regime: RegimeCalibration) -> CalibrationSet:
     return CalibrationSet((regime,))
 
 
+def plot_beside(out: Path, temperature: float, rounds: Rounds, cal: CalibrationSet) -> Path:
+    """The reliability diagram of ``rounds`` under ``cal``, written beside ``out``."""
+    png = out.with_name(f"{out.stem}.t{temperature:g}.png")
+    return plot_calibration_set({temperature: (rounds.logits, rounds.accepted)}, cal, png)
+
+
 def _pct(values: tuple[float, ...]) -> str:
     return " ".join(f"{100 * v:.2f}" for v in values)
 
@@ -134,8 +140,7 @@ def run_calibration(cfg: CalibrateConfig) -> CalibrationSet:
     out = Path(cfg.out)
     cal = merge_into(out, regime)
     save_calibration_set(cal, out, dataset=Path(cfg.generate.prompts).name)
-    png = out.with_name(f"{out.stem}.t{temperature:g}.png")
-    plot_calibration_set({temperature: (rounds.logits, rounds.accepted)}, cal, png)
+    png = plot_beside(out, temperature, rounds, cal)
     print(
         f"temperature {temperature:g}: {len(rounds.accepted)} rounds of "
         f"{int(rounds.groups.max()) + 1} prompts; per-position ECE in %\n"
@@ -245,8 +250,7 @@ def run_evaluation(cfg: CalibrateConfig) -> HeldOutEce:
     out.parent.mkdir(parents=True, exist_ok=True)
     report = merge_report(out, cfg.evaluate, result)
     out.write_text(json.dumps(report, indent=2, allow_nan=False) + "\n", encoding="utf-8")
-    png = out.with_name(f"{out.stem}.t{temperature:g}.png")
-    plot_calibration_set({temperature: (rounds.logits, rounds.accepted)}, cal, png)
+    png = plot_beside(out, temperature, rounds, cal)
     print(
         f"{cfg.evaluate} at temperature {temperature:g} (its regime {result.regime:g}): "
         f"{result.rounds} held-out rounds of {result.prompts} prompts; per-position ECE in %\n"
