@@ -47,6 +47,7 @@ from dspark_server.planner import (
     fit_regime,
     load_calibration_set,
     plot_calibration_set,
+    prefix_targets,
     save_calibration_set,
     survival_ece,
 )
@@ -178,8 +179,7 @@ def held_out_ece(cal: CalibrationSet, rounds: Rounds, sampling_temperature: floa
     regime = cal.nearest(sampling_temperature)
     temps = torch.full((logits.shape[0],), float(sampling_temperature))
     calibrated = cal.survival(logits, temps).double()
-    ks = torch.arange(1, cal.gamma + 1)
-    realised = (accepted.reshape(-1, 1) >= ks).double().mean(dim=0)
+    realised = prefix_targets(accepted, cal.gamma).mean(dim=0)
     return HeldOutEce(
         sampling_temperature=float(sampling_temperature),
         regime=regime.sampling_temperature,

@@ -220,6 +220,13 @@ class CalibrationDriftTracker:
         self._real[k, slots] = real
         self._count[k] += n
 
+    def observations(self, k: int) -> tuple[np.ndarray, np.ndarray]:
+        """Position ``k``'s window (0-based): the predicted survival and the realised 0/1 of its
+        observations in ring order (copies)."""
+        with self._lock:
+            n = int(min(self._count[k], self._window))
+            return self._pred[k, :n].copy(), self._real[k, :n].copy()
+
     def summary(self) -> list[PositionDrift]:
         with self._lock:
             out = []

@@ -18,10 +18,14 @@ not observed: the planner's choice depends on a_k alone, so that selection leave
 rate at a given a_k unbiased (as in ``CalibrationDriftTracker``).
 
 Window 1024 and 8 bins were chosen by replaying the held-out rounds in their recorded order,
-each step planned on the maps fit before it (prequential ECE, per position, in %):
-temperature 0: 1.7-2.9 (file 2.2-5.5), 0.3: 0.2-1.7 (1.2-12.0), 0.7: 0.1-0.9 (0.7-3.8),
-1.0: 0.0-1.0 (1.3-8.0). Longer windows follow a change of traffic more slowly (4096: 2.7-4.7 at
+each step planned on the maps fit before it (prequential ECE, per position, in %; `dspark
+calibrate --evaluate`, docs/benchmarks/ece_held_out_session20.md): temperature 0: 1.1-2.3
+(file 2.2-5.5), 0.3: 0.2-1.7 (1.2-12.0), 0.7: 0.1-0.9 (0.7-3.8), 1.0: 0.0-1.2 (1.3-8.0). Longer
+windows follow a change of traffic more slowly (2048 and 4096: at most 3.6 and 4.7 at
 temperature 0); a per-position logistic correction instead of the map left 3.7-4.7 at 0.
+
+The windows are ``CalibrationDriftTracker``s, one per regime (the drift tracker's ring of
+(predicted, realised) per position, here of the file's survival rather than the plan's).
 """
 
 from __future__ import annotations
@@ -33,6 +37,7 @@ import numpy as np
 import torch
 
 from .calibration import reliability_knots
+from .live import CalibrationDriftTracker
 
 
 @dataclass(frozen=True)
@@ -61,10 +66,8 @@ class OnlineCalibration:
             raise ValueError("window must hold min_samples and bins must be >= 1")
         self.gamma = gamma
         self.regimes = np.asarray(sorted(regimes), dtype=np.float64)
-        m, w = len(self.regimes), self.config.window
-        self._pred = np.zeros((m, gamma, w), dtype=np.float64)
-        self._real = np.zeros((m, gamma, w), dtype=np.float64)
-        self._count = np.zeros((m, gamma), dtype=np.int64)  # observations ever written
+        m = len(self.regimes)
+        self._windows = [CalibrationDriftTracker(gamma, self.config.window) for _ in range(m)]
         self._pending: list[tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]] = []
         self._pending_rows = 0
         self._fitted_at = -np.inf
@@ -92,8 +95,11 @@ class OnlineCalibration:
             return out
         idx = self.regime_index(temperatures)
         first = int(idx[0])
-        for m in [first] if bool((idx == first).all()) else np.unique(idx).tolist():
-            rows = slice(None) if m == first and len(idx) == 1 else idx == m
+        if bool((idx == first).all()):  # the common case: one regime for the whole step
+            groups: list[tuple[int, slice | np.ndarray]] = [(first, slice(None))]
+        else:
+            groups = [(m, idx == m) for m in np.unique(idx).tolist()]
+        for m, rows in groups:
             for k, knots in enumerate(self._maps[m]):
                 if knots is not None:
                     out[rows, k] = np.interp(out[rows, k], knots[0], knots[1])
@@ -141,30 +147,17 @@ class OnlineCalibration:
         acc = np.concatenate([a for _, _, a, _ in self._pending])
         ell = np.concatenate([e for _, _, _, e in self._pending])
         self._pending, self._pending_rows = [], 0
-        w = self.config.window
         touched = np.unique(idx).tolist()
         self._stale.update(touched)
         for m in touched:
             rows = idx == m
-            p, a, e = pred[rows], acc[rows], ell[rows]
-            for k in range(self.gamma):
-                seen = e > k
-                n = int(seen.sum())
-                if n == 0:
-                    continue
-                x, y = p[seen, k][-w:], (a[seen] > k).astype(np.float64)[-w:]
-                slots = (self._count[m, k] + np.arange(x.size)) % w
-                self._pred[m, k, slots] = x
-                self._real[m, k, slots] = y
-                self._count[m, k] += n
+            self._windows[m].record_arrays(pred[rows], acc[rows], ell[rows])
 
     def _fit(self, m: int, k: int) -> tuple[np.ndarray, np.ndarray] | None:
-        n = int(min(self._count[m, k], self.config.window))
-        if n < self.config.min_samples:
+        pred, real = self._windows[m].observations(k)
+        if pred.size < self.config.min_samples:
             return None
-        x = torch.from_numpy(self._pred[m, k, :n])
-        y = torch.from_numpy(self._real[m, k, :n])
-        xs, ys = reliability_knots(x, y, self.config.bins)
+        xs, ys = reliability_knots(torch.from_numpy(pred), torch.from_numpy(real), self.config.bins)
         return np.asarray(xs), np.asarray(ys)
 
     def maps(self) -> dict[tuple[float, int], tuple[tuple[float, ...], tuple[float, ...]]]:
