@@ -368,7 +368,7 @@ def test_plain_steps_are_explored_only_when_the_plain_step_time_is_stale() -> No
         assert drafts_all(gate, ["e"]) is False
         gate.record(["e"], False, [1], 0.0035)  # 1.6 tokens per 4 ms beat 1 per 3.5 ms
         plain = 0
-        for step in range(60):
+        for step in range(200):
             drafted = drafts_all(gate, ["e"])
             plain += not drafted
             gate.record(["e"], drafted, [1.6] if drafted else [1], 0.004 if drafted else 0.0035)
@@ -378,6 +378,29 @@ def test_plain_steps_are_explored_only_when_the_plain_step_time_is_stale() -> No
 
     assert run(fresh_plain=False) >= 3  # stale: explored now and then
     assert run(fresh_plain=True) == 0
+
+
+def test_refreshing_the_plain_step_time_costs_at_most_its_budget() -> None:
+    # one request drafting well (5 tokens per 2.3 ms against 1 per 0.7 ms): each plain step that
+    # refreshes the plain step time loses ~0.24 ms; at one request on the demo pair a 2% budget
+    # took one plain step in five (the time lost was more than the budget, the first drafting
+    # step after a plain one being slower), so the refresh has a budget of its own, 0.5%
+    def refreshes(**kw: float) -> int:
+        gate = DraftGate(min_samples=1, smoothing=1.0, request_smoothing=1.0, **kw)  # type: ignore[arg-type]
+        _warm(gate, ["e"], (5, 0.0023), 0.0007)
+        plain = 0
+        for _ in range(600):
+            drafted = drafts_all(gate, ["e"])
+            plain += not drafted
+            gate.record(["e"], drafted, [5] if drafted else [1], 0.0023 if drafted else 0.0007)
+        return plain
+
+    default, old = refreshes(), refreshes(refresh_overhead=0.02)
+    lost = 0.0007 * (1 - (1 / 0.0007) / (5 / 0.0023))
+    assert default * lost / (600 * 0.0023) <= 0.006
+    assert default >= 10 and old >= 3 * default
+    with pytest.raises(ValueError, match="refresh_overhead"):
+        DraftGate(refresh_overhead=0.0)
 
 
 def test_a_seeded_buckets_first_measurement_replaces_the_seed() -> None:

@@ -328,3 +328,31 @@ def test_planning_from_survival_equals_the_naive_loop_and_the_confidence_path() 
     assert planner.plan_survival(dirty).verify_lens.tolist() == [0, 1]
     with pytest.raises(ValueError, match="positions"):
         planner.plan_survival(np.ones((2, 4)))
+
+
+def test_one_request_plans_as_the_naive_loop_with_overhead_budget_and_prefill() -> None:
+    # one request takes a plain-float path (the c = 1 hot path); it must plan exactly as the
+    # method's loop does, with the step overhead, the budget cap and the prefill tokens priced
+    rng = np.random.default_rng(5)
+    for _ in range(400):
+        gamma, table, conf = random_case(rng)
+        conf = conf[:1]
+        survival = prefix_survival(conf)[0].double().tolist()
+        overhead = float(rng.choice([0.0, rng.uniform(0.0, 0.1)]))
+        extra = int(rng.integers(0, 4))
+        cap = None if rng.random() < 0.5 else int(rng.integers(0, gamma + 1))
+        planner = make_planner(PlannerConfig(mode="dspark", gamma=gamma), table)
+        planner.set_step_overhead(overhead)
+        res = planner.plan_survival(np.array([survival]), max_draft_tokens=cap, extra_batch_tokens=extra)
+        rates = steps_per_sec(table, 1 + extra, gamma + 1, overhead).tolist()
+        tau, best, ell = 1.0, rates[0], 0
+        for j, value in enumerate(survival):
+            if (cap is not None and ell >= cap) or not (tau + value) * rates[j + 1] > best:
+                break
+            tau, best, ell = tau + value, (tau + value) * rates[j + 1], j + 1
+        assert res.verify_lens.tolist() == [ell]
+        assert (res.batch_tokens, res.expected_tokens, res.expected_throughput) == (
+            1 + ell,
+            pytest.approx(tau),
+            pytest.approx(best),
+        )

@@ -59,6 +59,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from .piecewise import ColumnInterp
 from .sts import (
     DEFAULT_NUM_BINS,
     StsCalibration,
@@ -101,12 +102,7 @@ class SurvivalMap:
 
     score: tuple[tuple[float, ...], ...]
     survival: tuple[tuple[float, ...], ...]
-    _lo: np.ndarray = field(init=False, repr=False, compare=False)
-    _hi: np.ndarray = field(init=False, repr=False, compare=False)
-    _shift: np.ndarray = field(init=False, repr=False, compare=False)
-    _xs: np.ndarray = field(init=False, repr=False, compare=False)
-    _ys: np.ndarray = field(init=False, repr=False, compare=False)
-    _knots: tuple[tuple[np.ndarray, np.ndarray], ...] = field(init=False, repr=False, compare=False)
+    _interp: ColumnInterp = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         if len(self.score) != len(self.survival) or not self.score:
@@ -124,24 +120,8 @@ class SurvivalMap:
             ys_all.append(ys)
         object.__setattr__(self, "score", tuple(xs_all))
         object.__setattr__(self, "survival", tuple(ys_all))
-        # every position's knots on one axis, position k's shifted past position k-1's, so that
-        # one np.interp call maps a whole [R, gamma] array (inputs clipped to their own position's
-        # knots first: flat outside, as position by position)
-        lo = np.array([xs[0] for xs in xs_all])
-        hi = np.array([xs[-1] for xs in xs_all])
-        shift = np.concatenate([[0.0], np.cumsum(hi - lo + 1.0)[:-1]]) - lo
-        object.__setattr__(self, "_lo", lo)
-        object.__setattr__(self, "_hi", hi)
-        object.__setattr__(self, "_shift", shift)
-        object.__setattr__(
-            self, "_xs", np.concatenate([np.asarray(xs) + shift[k] for k, xs in enumerate(xs_all)])
-        )
-        object.__setattr__(self, "_ys", np.concatenate([np.asarray(ys) for ys in ys_all]))
-        knots = tuple(
-            (np.asarray(xs, dtype=np.float64), np.asarray(ys, dtype=np.float64))
-            for xs, ys in zip(xs_all, ys_all, strict=True)
-        )
-        object.__setattr__(self, "_knots", knots)  # per position, as arrays (``at``: every step)
+        # every position's map in one np.interp call (``at_all``), or on one value (``at_scalar``)
+        object.__setattr__(self, "_interp", ColumnInterp(list(zip(xs_all, ys_all, strict=True))))
 
     @property
     def gamma(self) -> int:
@@ -155,12 +135,15 @@ class SurvivalMap:
 
     def at(self, k: int, x: np.ndarray) -> np.ndarray:
         """Position k's map on float64 inputs: piecewise-linear through the knots, flat outside."""
-        xs, ys = self._knots[k]
-        return np.interp(x, xs, ys)
+        return self._interp.column(k, x)
 
     def at_all(self, x: np.ndarray) -> np.ndarray:
         """Every position's map at once on a float64 [R, gamma] array (column k: position k)."""
-        return np.interp(np.clip(x, self._lo, self._hi) + self._shift, self._xs, self._ys)
+        return self._interp(x)
+
+    def at_scalar(self, k: int, x: float) -> float:
+        """Position k's map on one value (``at``'s arithmetic, without numpy's per-call cost)."""
+        return self._interp.scalar(k, x)
 
     def to_dict(self) -> dict[str, Any]:
         return {"score": [list(x) for x in self.score], "survival": [list(y) for y in self.survival]}
@@ -278,6 +261,8 @@ class RegimeCalibration:
     def survival_np(self, raw: np.ndarray) -> np.ndarray:
         """``survival`` on a float64 [R, gamma] array (the engine's per-step path: a few numpy
         calls per position, whatever R, instead of a dozen tensor ops)."""
+        if raw.shape[0] == 1:
+            return np.array([self._survival_row(raw[0].tolist())])
         z = raw / np.asarray(self.temperatures)
         scores = np.cumsum(-np.logaddexp(0.0, -z), axis=1)  # log sigmoid, summed over k
         if self.survival_map is None:
@@ -289,6 +274,28 @@ class RegimeCalibration:
         for k in range(self.gamma):
             prev = np.minimum(h.at(k, np.minimum(first[:, k], prev)), prev)
             first[:, k] = prev
+        return first
+
+    def _survival_row(self, raw: list[float]) -> list[float]:
+        """``survival_np`` of one row in plain floats (at one request a step calibrates γ values,
+        and the numpy path's ~20 calls cost more than its arithmetic)."""
+        out, score = [], 0.0
+        for x, t in zip(raw, self.temperatures, strict=True):
+            z = x / t
+            if z > 0:  # log sigmoid(z), as np.logaddexp(0, -z) computes it
+                score -= math.log1p(math.exp(-z))
+            else:
+                score -= math.log(2.0) if z == 0 else -z + math.log1p(math.exp(z))
+            out.append(score)
+        if self.survival_map is None:
+            return [math.exp(v) for v in out]
+        first = [self.survival_map.at_scalar(k, v) for k, v in enumerate(out)]
+        prev = 1.0
+        for k, v in enumerate(first):
+            v = min(v, prev)
+            if self.capped_map is not None:
+                v = min(self.capped_map.at_scalar(k, v), prev)
+            first[k] = prev = v
         return first
 
     def apply(self, raw_logits: torch.Tensor) -> torch.Tensor:

@@ -38,6 +38,7 @@ import torch
 
 from .calibration import reliability_knots
 from .live import CalibrationDriftTracker
+from .piecewise import ColumnInterp
 
 
 @dataclass(frozen=True)
@@ -75,6 +76,8 @@ class OnlineCalibration:
         self._stale: set[int] = set()  # regimes with rounds filed since their maps were fit
         # knots per (regime, position): None = the file's value as it is
         self._maps: list[list[tuple[np.ndarray, np.ndarray] | None]] = [[None] * gamma for _ in range(m)]
+        # per regime, the positions that have a map and those maps in one ColumnInterp
+        self._interp: list[tuple[list[int], ColumnInterp] | None] = [None] * m
         self.refits = 0
 
     def regime_index(self, temperatures: np.ndarray) -> np.ndarray:
@@ -94,17 +97,39 @@ class OnlineCalibration:
         if not self._active or out.shape[0] == 0:
             return out
         idx = self.regime_index(temperatures)
+        if out.shape[0] == 1:  # one request: γ values in plain floats (numpy calls cost more)
+            out[0] = self._correct_row(out[0].tolist(), int(idx[0]))
+            return out
         first = int(idx[0])
         if bool((idx == first).all()):  # the common case: one regime for the whole step
             groups: list[tuple[int, slice | np.ndarray]] = [(first, slice(None))]
         else:
             groups = [(m, idx == m) for m in np.unique(idx).tolist()]
         for m, rows in groups:
-            for k, knots in enumerate(self._maps[m]):
-                if knots is not None:
-                    out[rows, k] = np.interp(out[rows, k], knots[0], knots[1])
+            stacked = self._interp[m]
+            if stacked is not None:
+                cols, interp = stacked
+                sub = out[rows]
+                sub[:, cols] = interp(sub[:, cols])
+                out[rows] = sub
         np.minimum.accumulate(out, axis=1, out=out)
         return out
+
+    def _correct_row(self, row: list[float], m: int) -> list[float]:
+        stacked = self._interp[m]
+        if stacked is not None:
+            for c, k in enumerate(stacked[0]):
+                row[k] = stacked[1].scalar(c, row[k])
+        for k in range(1, len(row)):
+            row[k] = min(row[k], row[k - 1])
+        return row
+
+    @staticmethod
+    def _stacked(maps: list[tuple[np.ndarray, np.ndarray] | None]) -> tuple[list[int], ColumnInterp] | None:
+        cols = [k for k, knots in enumerate(maps) if knots is not None]
+        if not cols:
+            return None
+        return cols, ColumnInterp([(maps[k][0].tolist(), maps[k][1].tolist()) for k in cols])  # type: ignore[index]
 
     def record(
         self, survival: np.ndarray, temperatures: np.ndarray, accepted: np.ndarray, lens: np.ndarray
@@ -136,6 +161,7 @@ class OnlineCalibration:
         for m in stale:
             for k in range(self.gamma):
                 self._maps[m][k] = self._fit(m, k)
+            self._interp[m] = self._stacked(self._maps[m])
         self._active = any(knots is not None for row in self._maps for knots in row)
         self.refits += 1
         return True

@@ -284,9 +284,8 @@ class DSparkPlanner(VerifyPlanner):
         if num_requests == 0:
             return PlanResult(torch.zeros(0, dtype=torch.int64), 0, 0.0, 0.0)
         if num_requests == 1:  # one request: its survival is non-increasing, already in rank order
-            values, order = surv[:, 0].astype(np.float64), np.arange(surv.shape[0])
-        else:
-            values, order = _ranked_candidates(surv)
+            return self._plan_one(table, surv[:, 0].tolist(), q)
+        values, order = _ranked_candidates(surv)
         tau = np.empty(values.size + 1)
         tau[0] = 0.0
         np.cumsum(values, out=tau[1:])
@@ -304,6 +303,25 @@ class DSparkPlanner(VerifyPlanner):
             float(tau[admitted]),
             float(theta[admitted]),
         )
+
+    def _plan_one(self, table: SpsCostTable, values: list[float], q: _PlanInputs) -> PlanResult:
+        """``_plan_pm`` for one request in plain floats, the same arithmetic in the same order
+        (at one request the numpy path's calls cost more than its γ multiplications)."""
+        start = 1 + max(0, int(q.extra_batch_tokens))
+        sps = table.lookup_range(start, len(values) + 1).tolist()
+        overhead = self._step_overhead_s
+        if overhead > 0.0:
+            sps = [1.0 / (overhead + 1.0 / s) for s in sps]
+        cap = len(values) if q.max_draft_tokens is None else max(0, int(q.max_draft_tokens))
+        cum, tau, theta, admitted = 0.0, 1.0, sps[0], 0
+        for k, v in enumerate(values):
+            cum += v
+            next_tau = cum + 1.0
+            next_theta = next_tau * sps[k + 1]
+            if next_theta <= theta or admitted >= cap:
+                break
+            tau, theta, admitted = next_tau, next_theta, k + 1
+        return PlanResult(torch.tensor([admitted], dtype=torch.int64), 1 + admitted, tau, theta)
 
 
 def cap_lengths(lens: np.ndarray, cap: int | None) -> np.ndarray:
