@@ -108,7 +108,10 @@ class SpsCostTable:
             if self.max_batch_tokens > _DENSE_LIMIT:
                 return self.lookup_array(np.arange(start, start + count))
             dense = self.lookup_array(np.arange(self.max_batch_tokens + 1))
+            dense.flags.writeable = False  # handed out as views
             object.__setattr__(self, "_dense", dense)
+        if 0 <= start and start + count <= dense.size:  # within the table: a view
+            return dense[start : start + count]
         b = np.arange(start, start + count)
         out = dense[np.clip(b, 0, dense.size - 1)]
         end = int(self.max_batch_tokens)
