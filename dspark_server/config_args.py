@@ -119,6 +119,14 @@ def add_engine_args(
         help="torch CPU threads (default: torch's; `dspark serve` with the engine process: CPUs - 1)",
     )
     g.add_argument(
+        "--prefill-threads",
+        type=int,
+        default=None,
+        help="threads for a forward of one request's prompt (default: --threads; `dspark serve` "
+        "with the engine process: all CPUs, taking back the HTTP process's core while it has "
+        "little to stream)",
+    )
+    g.add_argument(
         "--attention-impl",
         choices=ATTENTION_IMPLS,
         default=None,
@@ -230,6 +238,7 @@ def engine_config_from_args(
         draft_dir=draft if mode != "off" else None,
         dtype=getattr(ns, "dtype", None) or field_default(EngineConfig, "dtype"),
         num_threads=getattr(ns, "threads", None),
+        wide_step_threads=getattr(ns, "prefill_threads", None),
         attention_impl=getattr(ns, "attention_impl", None),
         layer_kernels=not getattr(ns, "no_layer_kernels", False),
         fused_forward=not getattr(ns, "no_fused_forward", False),

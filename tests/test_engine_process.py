@@ -118,11 +118,14 @@ def test_the_engine_leaves_a_core_to_the_http_process_unless_told(
     assert 1 <= cpus <= len(os.sched_getaffinity(0))
     unset = EngineProcessBackend(dataclasses.replace(cfg, num_threads=None))
     assert unset.cfg.num_threads == max(1, cpus - 1)
+    assert unset.cfg.wide_step_threads == cpus  # one prompt's prefill takes every CPU back
     monkeypatch.setenv("OMP_NUM_THREADS", "4")
-    assert EngineProcessBackend(dataclasses.replace(cfg, num_threads=None)).cfg.num_threads == 3
+    four = EngineProcessBackend(dataclasses.replace(cfg, num_threads=None)).cfg
+    assert (four.num_threads, four.wide_step_threads) == (3, 4)
     monkeypatch.setenv("OMP_NUM_THREADS", "1")
     assert EngineProcessBackend(dataclasses.replace(cfg, num_threads=None)).cfg.num_threads == 1
-    assert EngineProcessBackend(dataclasses.replace(cfg, num_threads=3)).cfg.num_threads == 3
+    told = EngineProcessBackend(dataclasses.replace(cfg, num_threads=3)).cfg
+    assert (told.num_threads, told.wide_step_threads) == (3, None)
 
 
 def test_a_model_bound_by_its_weight_reads_gets_every_cpu(

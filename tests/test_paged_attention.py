@@ -312,3 +312,33 @@ def test_loading_the_kernel_leaves_the_process_floating_point_state_alone(tmp_pa
     env = {**__import__("os").environ, "DSPARK_KERNEL_CACHE": str(tmp_path)}
     run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=120)
     assert run.returncode == 0, run.stderr[-2000:]
+
+
+def test_one_requests_prompt_runs_on_the_prefill_threads_and_gives_the_same_logits(tiny_model: Path) -> None:
+    narrow = torch.get_num_threads()
+    cfg = EngineConfig(model_dir=str(tiny_model), page_size=4, max_model_len=256)
+    wide_cfg = EngineConfig(**{**cfg.__dict__, "wide_step_threads": narrow + 1})
+    seen: list[int] = []
+    logits = {}
+    for name, c in (("narrow", cfg), ("wide", wide_cfg)):
+        runner = ModelRunner(c)
+        inner = runner.target.forward
+
+        def spy(*a: object, _inner: object = inner, **k: object) -> object:
+            seen.append(torch.get_num_threads())
+            return _inner(*a, **k)  # type: ignore[operator]
+
+        runner.target.forward = spy  # type: ignore[method-assign]
+        tables = [PageTable() for _ in range(3)]
+        for t in tables:
+            assert runner.allocator.reserve(t, 100)
+        seen.clear()
+        out = [
+            runner.forward([SeqChunk(tables[0], 0, list(range(3, 73)))], [1]),  # one prompt, 70 tokens
+            runner.forward([SeqChunk(t, 0, list(range(3, 43))) for t in tables[1:]], [1, 1]),  # two
+            runner.forward([SeqChunk(tables[0], 70, [5])], [1]),  # one decode
+        ]
+        logits[name] = torch.cat([r.output.logits for r in out])
+        assert seen == ([narrow + 1, narrow, narrow] if name == "wide" else [narrow] * 3)
+        assert torch.get_num_threads() == narrow
+    torch.testing.assert_close(logits["wide"], logits["narrow"], atol=1e-5, rtol=1e-5)

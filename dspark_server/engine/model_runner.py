@@ -74,16 +74,31 @@ class ModelRunner:
         t0 = time.perf_counter()
         batch = pack(chunks, self.allocator)
         logits_rows = tail_rows(batch.offsets, batch.lengths, logits_tail)
-        out = self.target(
-            batch.input_ids,
-            batch.positions,
-            batch.attention(self.pool),
-            logits_rows=logits_rows,
-            capture_layers=capture_layers,
-        )
+        narrow, wide = torch.get_num_threads(), self._wide_threads(batch.num_tokens, len(chunks))
+        if wide:
+            torch.set_num_threads(wide)
+        try:
+            out = self.target(
+                batch.input_ids,
+                batch.positions,
+                batch.attention(self.pool),
+                logits_rows=logits_rows,
+                capture_layers=capture_layers,
+            )
+        finally:
+            if wide:
+                torch.set_num_threads(narrow)
         for c in chunks:
             c.table.length = c.start + len(c.token_ids)
         return ForwardResult(batch, out, time.perf_counter() - t0)
+
+    def _wide_threads(self, num_tokens: int, num_requests: int) -> int | None:
+        """Threads for a forward this wide, when they differ from the engine's (None: as is)."""
+        cfg, narrow = self.cfg, torch.get_num_threads()
+        wide = cfg.wide_step_threads
+        if not wide or wide == narrow or num_tokens < cfg.wide_step_tokens:
+            return None
+        return wide if num_requests <= cfg.wide_step_requests else None
 
 
 def tail_rows(offsets: Sequence[int], lengths: Sequence[int], tails: Sequence[int]) -> torch.Tensor:

@@ -43,7 +43,7 @@ from dspark_server.engine.backend import LoadSnapshot, SpecSnapshot, native_spec
 from dspark_server.engine.request import InvalidRequestError, RequestOutput, SamplingParams, SpecStats
 from dspark_server.engine.stats import EngineStats
 from dspark_server.engine.stream import TokenStream
-from dspark_server.machine import engine_threads
+from dspark_server.machine import available_cpus, engine_threads
 from dspark_server.models.tokenizer import Tokenizer
 
 if TYPE_CHECKING:
@@ -209,6 +209,8 @@ class EngineProcessBackend:
     def __init__(self, cfg: EngineConfig) -> None:
         if cfg.num_threads is None:  # the HTTP process needs a core of its own
             cfg = dataclasses.replace(cfg, num_threads=engine_threads(cfg.model_dir))
+            if cfg.wide_step_threads is None:  # it streams nothing while one prompt prefills
+                cfg = dataclasses.replace(cfg, wide_step_threads=available_cpus())
         self.cfg = cfg
         self.tokenizer = Tokenizer(cfg.model_dir)
         self.stats = EngineStats()

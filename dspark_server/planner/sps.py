@@ -110,7 +110,7 @@ class SpsCostTable:
             dense = self.lookup_array(np.arange(self.max_batch_tokens + 1))
             dense.flags.writeable = False  # handed out as views
             object.__setattr__(self, "_dense", dense)
-        if 0 <= start and start + count <= dense.size:  # within the table: a view
+        if start >= 0 and start + count <= dense.size:  # within the table: a view
             return dense[start : start + count]
         b = np.arange(start, start + count)
         out = dense[np.clip(b, 0, dense.size - 1)]
