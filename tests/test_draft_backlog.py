@@ -148,7 +148,7 @@ def test_take_writes_running_requests_computed_positions_only() -> None:
 
 def test_steps_whose_requests_all_left_are_dropped_when_deferring() -> None:
     from dspark_server.engine.request import Request, Status
-    from dspark_server.engine.spec.deferred_context import DeferredContext, Run
+    from dspark_server.engine.spec.deferred_context import DROP_EVERY, DeferredContext, Run
 
     a = Request("a", [1], SamplingParams(max_tokens=4), lambda _o: None, status=Status.RUNNING)
     b = Request("b", [1], SamplingParams(max_tokens=4), lambda _o: None, status=Status.RUNNING)
@@ -156,8 +156,9 @@ def test_steps_whose_requests_all_left_are_dropped_when_deferring() -> None:
     deferred.defer([Run(a, 0)], torch.zeros(1, 4))
     deferred.defer([Run(b, 0)], torch.zeros(1, 4))
     a.status = Status.FINISHED
-    deferred.defer([Run(b, 1)], torch.zeros(1, 4))
-    assert len(deferred) == 2  # a's step went; b's two stay
+    for i in range(DROP_EVERY):  # a look for departed steps every DROP_EVERY deferrals
+        deferred.defer([Run(b, 1 + i)], torch.zeros(1, 4))
+    assert len(deferred) == 1 + DROP_EVERY  # a's step went; b's stay
 
 
 def test_a_partial_step_writes_the_drafting_requests_context_and_puts_off_the_others(

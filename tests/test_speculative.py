@@ -357,3 +357,39 @@ def test_the_loops_time_between_steps_reaches_the_gate_not_idle_time(pair: tuple
     bucket = spec.gate._buckets[spec.gate.bucket_of(1)]
     assert bucket.outside_draft.count + bucket.outside_plain.count == len(seen)
     assert {d for _, d, _ in seen} == {True, False}  # warm-up steps of both kinds
+
+
+def test_held_plain_steps_teach_the_gate_before_its_next_full_choice(pair: tuple[Path, Path]) -> None:
+    # plain steps' lessons wait while the gate holds a plain choice (PlainLessons), and must all
+    # be filed before it chooses in full and when the engine goes idle
+    target, draft = pair
+    engine = make_engine(target, draft, "dspark", draft_gate=True, price_step_overhead=True)
+    spec = engine.spec
+    assert spec is not None and spec.gate is not None
+    gate = spec.gate
+    waiting_at_full_choice: list[int] = []
+    full_choose = gate._choose
+
+    def spy_choose(ids: list[str], regimes: list[float] | None, whole: bool) -> list[int]:
+        waiting_at_full_choice.append(len(spec.lessons.steps) + len(spec.lessons.outside))
+        # plain steps from here on, held for 8 steps at a time
+        if gate._bucket(len(ids)).measured(gate.min_samples):
+            gate._steps += 1
+            return gate._hold_plain(ids, gate._bucket(len(ids)), 8)
+        return full_choose(ids, regimes, whole)
+
+    gate._choose = spy_choose  # type: ignore[method-assign]
+    filed = []
+    record_plain = gate.record_plain
+
+    def spy_plain(n: int, seconds: float) -> None:
+        filed.append(n)
+        record_plain(n, seconds)
+
+    gate.record_plain = spy_plain  # type: ignore[method-assign]
+    plain_steps = engine.stats.spec_steps_by_choice
+    generate(engine, [[5, 6, 7], [8, 9]], [SamplingParams(temperature=0, max_tokens=60)] * 2)
+    plain = sum(n for (_, choice), n in plain_steps.items() if choice == "plain")
+    assert plain >= 40 and len(waiting_at_full_choice) >= 5
+    assert all(n == 0 for n in waiting_at_full_choice)  # nothing waited into a full choice
+    assert len(filed) == plain and not spec.lessons  # idle: every plain step filed

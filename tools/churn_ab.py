@@ -27,14 +27,20 @@ from dspark_server.assets import DEMO_DRAFT, DEMO_TARGET
 from dspark_server.config import EngineConfig, SpeculativeConfig
 from dspark_server.engine.engine import LLMEngine
 from dspark_server.engine.request import RequestOutput, SamplingParams
+from dspark_server.engine.spec.draft_gate import DraftGate
 
 VARIANTS = ("off", "fixed", "dspark", "pinned", "no-margin", "no-hold")
 
 
-def _never(
-    request_ids: Sequence[str], regimes: Sequence[float] | None = None, room: int | None = None
-) -> list[int]:
-    return []
+def _pin_plain(gate: DraftGate) -> None:
+    """Every full choice of ``gate`` is a plain one, held as long as the gate holds any (so that
+    the held steps cost what the gate's own held plain steps cost)."""
+
+    def choose(request_ids: Sequence[str], regimes: Sequence[float] | None, whole: bool) -> list[int]:
+        gate._steps += 1
+        return gate._hold_plain(request_ids, gate._bucket(len(request_ids)), gate.max_hold)
+
+    gate._choose = choose  # type: ignore[method-assign]
 
 
 def build(
@@ -53,7 +59,7 @@ def build(
     engine = LLMEngine(cfg)
     gate = engine.spec.gate if engine.spec is not None else None
     if variant == "pinned" and gate is not None:
-        gate.choose = _never  # type: ignore[method-assign]
+        _pin_plain(gate)
     if variant == "no-margin" and gate is not None:
         gate.enter_margin = 1.0
     if variant == "no-hold" and gate is not None:

@@ -144,6 +144,8 @@ class LLMEngine:
         self._update_gauges()
         if not self.has_work():  # the loop goes idle: the time until the next step is not its cost
             self._decode_step_end = None
+            if self.spec is not None:
+                self.spec.file_lessons()
 
     def _run(self, sched: SchedulerOutput) -> None:
         now = time.monotonic()

@@ -53,9 +53,8 @@ class ContextWrites:
         plain step in dspark mode costs what a plain step costs."""
         hidden = forward.output.hidden
         assert hidden is not None
-        runs = [Run(r, p) for r, p in zip(decodes, positions, strict=True)]
-        runs += [Run(c.request, c.start, c.num_tokens) for c in prefills]
-        if runs and self.deferred.defer(runs, hidden):
+        chunks = [Run(c.request, c.start, c.num_tokens) for c in prefills] if prefills else []
+        if (decodes or chunks) and self.deferred.defer(chunks, hidden, decodes, positions):
             self.catch_up(alloc)  # the buffer is full
 
     def keep_accepted(

@@ -33,6 +33,7 @@ from dspark_server.engine.spec.deferred_context import Run
 from dspark_server.engine.spec.draft_gate import DraftGate
 from dspark_server.engine.spec.drafting import Drafts, merge_drafts, sample_drafts
 from dspark_server.engine.spec.lookup import PromptLookup
+from dspark_server.engine.spec.plain_lessons import PlainLessons
 from dspark_server.engine.spec.rounds import RoundRecord
 from dspark_server.engine.spec.step_lessons import teach
 from dspark_server.engine.spec.step_overhead import StepOverhead
@@ -161,6 +162,7 @@ class SpeculativeDecoder:
         if planner.sps_table is not None:
             planner.set_sps_table(self._planning_table(planner.sps_table))
         self.last_verify_lens: list[int] = []
+        self.lessons = PlainLessons()  # plain steps' lessons waiting to be filed
         # Called once per step with every decoding request's round (calibration, evaluation).
         self.round_observers: list[Callable[[RoundRecord], None]] = []
 
@@ -171,8 +173,15 @@ class SpeculativeDecoder:
         tokens the step's budget leaves (at most that many requests can draft)."""
         if not decodes or self.gate is None:
             return list(decodes)
+        ids = [r.request_id for r in decodes]
+        if self.lessons and not self.gate.holds(ids):
+            self.file_lessons()  # the choice reads them
         regimes = [r.params.temperature for r in decodes]
-        return [decodes[i] for i in self.gate.choose([r.request_id for r in decodes], regimes, room)]
+        return [decodes[i] for i in self.gate.choose(ids, regimes, room)]
+
+    def file_lessons(self) -> None:
+        """File the plain steps' waiting lessons (``PlainLessons``)."""
+        self.lessons.replay(self.gate, self.overhead, self.live_sps)
 
     def keep_plain(
         self,
@@ -187,7 +196,7 @@ class SpeculativeDecoder:
         dspark mode costs what a plain step costs."""
         self.last_verify_lens = [0] * len(decodes)
         if self.live_sps is not None and decodes and not prefills:
-            self.live_sps.record(forward.batch.num_tokens, forward.seconds)
+            self.lessons.forwards.append((forward.batch.num_tokens, forward.seconds))
         self.context.defer_plain_step(alloc, decodes, positions, prefills, forward)
 
     @torch.inference_mode()
@@ -206,6 +215,8 @@ class SpeculativeDecoder:
         if not decodes:
             raise ValueError("a speculative step needs decoding requests (else it is a plain step)")
         t_start = time.perf_counter()
+        if self.lessons:
+            self.file_lessons()
         plain = list(plain)
         sampling = SamplingTensors.from_params([r.params for r in decodes])
         prefill_tokens = sum(c.num_tokens for c in prefills)
@@ -290,23 +301,20 @@ class SpeculativeDecoder:
     def record_plain(
         self, decodes: list[Request], forward: ForwardResult, prefill_tokens: int, step_seconds: float
     ) -> None:
-        """After a plain step (``keep_plain``): the same lessons, one token per request."""
-        teach(
-            self.gate,
-            self.overhead,
-            decodes,
-            False,
-            [1] * len(decodes),
-            forward,
-            prefill_tokens,
-            0.0,
-            step_seconds,
-        )
+        """After a plain step (``keep_plain``): the same lessons, one token per request, filed
+        with the next full choice (``PlainLessons``)."""
+        if decodes:
+            batch = forward.batch.num_tokens
+            self.lessons.steps.append((len(decodes), forward.seconds, batch, prefill_tokens, step_seconds))
+            if self.lessons.full():
+                self.file_lessons()
 
     def record_outside(self, num_decodes: int, drafted: bool, seconds: float) -> None:
         """The engine loop's time between a step with ``num_decodes`` decoding requests (a
         drafting one or not) and the next step: a cost every step pays once."""
-        if self.gate is not None:
+        if self.gate is not None and not drafted:
+            self.lessons.outside.append((num_decodes, seconds))  # filed with the plain steps'
+        elif self.gate is not None:
             self.gate.record_outside(num_decodes, drafted, seconds)
         if self.overhead is not None and drafted:
             self.overhead.record_outside(num_decodes, seconds)

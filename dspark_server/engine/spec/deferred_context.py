@@ -22,7 +22,7 @@ writes of their prompts and tokens are never paid for.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
@@ -31,6 +31,10 @@ import torch
 
 from dspark_server.engine.kv_cache import PageAllocator
 from dspark_server.engine.request import Request, Status
+
+# Deferrals between two looks for the oldest steps whose requests all left: a look touches those
+# requests (cold after a forward), and forgetting a departed step a few steps late costs nothing.
+DROP_EVERY = 16
 
 
 class Run(NamedTuple):
@@ -44,9 +48,28 @@ class Run(NamedTuple):
 
 @dataclass
 class _DeferredStep:
-    runs: list[Run]
+    """One step's rows: one per request of ``decodes`` (at ``starts``), then ``more`` runs. The
+    runs are made when first read (rarely: a plain step only files its lists)."""
+
+    decodes: Sequence[Request]
+    starts: Sequence[int]
+    more: Sequence[Run]
     features: torch.Tensor  # [N, F]: the runs' rows, in order
     taken: set[int] = field(default_factory=set)  # ids of the requests whose rows were taken
+    _runs: list[Run] | None = None
+
+    def requests(self) -> Iterator[Request]:
+        """Every run's request, in order (without making the runs)."""
+        yield from self.decodes
+        for run in self.more:
+            yield run.request
+
+    @property
+    def runs(self) -> list[Run]:
+        if self._runs is None:
+            self._runs = [Run(r, p) for r, p in zip(self.decodes, self.starts, strict=True)]
+            self._runs += self.more
+        return self._runs
 
     def rows(self) -> list[int]:
         """Each run's first feature row."""
@@ -94,6 +117,7 @@ class DeferredContext:
         self.max_bytes = max_bytes
         self._steps: dict[int, _DeferredStep] = {}  # in deferral order
         self._next_key = 0
+        self._defers = 0
         self._bytes = 0
         # a request of the oldest step seen running: while it runs, that step stays (one check
         # instead of a scan of the step's runs at every deferral)
@@ -114,12 +138,22 @@ class DeferredContext:
             if run.request is request
         )
 
-    def defer(self, runs: Sequence[Run], features: torch.Tensor) -> bool:
-        """Keep one step's rows (``features`` [sum of counts, F], the runs' rows in order). True:
-        the buffer is full, take the writes now."""
-        self._drop_departed()
+    def defer(
+        self,
+        runs: Sequence[Run],
+        features: torch.Tensor,
+        decodes: Sequence[Request] = (),
+        starts: Sequence[int] = (),
+    ) -> bool:
+        """Keep one step's rows (``features`` [sum of counts, F]): first one row per request of
+        ``decodes`` at ``starts`` (a plain step's decoding requests), then the ``runs``' rows, in
+        order. The lists are kept as they are: the caller must not change them. True: the buffer
+        is full, take the writes now."""
+        self._defers += 1
+        if self._defers % DROP_EVERY == 0:
+            self._drop_departed()
         key, self._next_key = self._next_key, self._next_key + 1
-        self._steps[key] = _DeferredStep(list(runs), features)
+        self._steps[key] = _DeferredStep(decodes, starts, runs, features)
         self._bytes += features.nbytes
         return len(self._steps) >= self.max_steps or self._bytes >= self.max_bytes
 
@@ -195,12 +229,9 @@ class DeferredContext:
             hint = self._keeps_oldest
             if hint is not None and hint[0] == key and hint[1].status is Status.RUNNING:
                 return
+            taken = oldest.taken
             running = next(
-                (
-                    r.request
-                    for r in oldest.runs
-                    if r.request.status is Status.RUNNING and id(r.request) not in oldest.taken
-                ),
+                (r for r in oldest.requests() if r.status is Status.RUNNING and id(r) not in taken),
                 None,
             )
             if running is not None:

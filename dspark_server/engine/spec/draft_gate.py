@@ -410,6 +410,12 @@ class DraftGate:
             self._run_left = 0
         return chosen
 
+    def holds(self, request_ids: Sequence[str]) -> bool:
+        """Whether the next ``choose`` for these requests is a held plain choice (one that reads
+        no estimate)."""
+        hold = self._hold
+        return hold is not None and hold[0] > 0 and hold[1] == tuple(request_ids)
+
     def _held(self, request_ids: Sequence[str]) -> list[int] | None:
         """A plain choice still held for these very requests: the step only advances the
         counters a full choice would (None: choose in full). Where plain steps win clearly, the

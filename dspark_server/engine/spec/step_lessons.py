@@ -28,15 +28,22 @@ def teach(
     and, for a drafting step, the draft pass's time and the catch-up (``switch_seconds``)."""
     if not decodes:
         return
-    # Under steady traffic almost every step also carries a prefill chunk: leave out its share
-    # of the forward (by token count) rather than the whole step, so the estimates keep learning
-    # instead of freezing on the rare prefill-free steps.
-    prefill_s = forward.seconds * prefill_tokens / max(1, forward.batch.num_tokens)
-    step_s = step_seconds - prefill_s
+    step_s, forward_s = decode_share(forward.seconds, forward.batch.num_tokens, prefill_tokens, step_seconds)
     if gate is not None and not drafted:
         gate.record_plain(len(decodes), step_s)
     elif gate is not None:
         ids, regimes = [r.request_id for r in decodes], [r.params.temperature for r in decodes]
         gate.record(ids, drafted, tokens, step_s, switch_seconds, regimes, num_requests, kept)
     if overhead is not None and (num_requests is None or num_requests == len(decodes)):
-        overhead.record(len(decodes), step_s, forward.seconds - prefill_s, draft_seconds)
+        overhead.record(len(decodes), step_s, forward_s, draft_seconds)
+
+
+def decode_share(
+    forward_seconds: float, batch_tokens: int, prefill_tokens: int, step_seconds: float
+) -> tuple[float, float]:
+    """(the step's, its forward's) seconds less the prefill chunks' share of the forward."""
+    # Under steady traffic almost every step also carries a prefill chunk: leave out its share
+    # of the forward (by token count) rather than the whole step, so the estimates keep learning
+    # instead of freezing on the rare prefill-free steps.
+    prefill_s = forward_seconds * prefill_tokens / max(1, batch_tokens)
+    return step_seconds - prefill_s, forward_seconds - prefill_s
