@@ -6,12 +6,13 @@
 # Run from the repository root, alone on the machine. Prints SYSTEM SET c=C T=T tps= ttft_ms= tpot_ms= [vpr_round= vpr_step=]
 # lines (python -m tools.serve_bench_table reads them).
 #   MODES ("off dspark fixed threshold"), CONCS ("1 4 16 64 128"), TEMPS ("0 1"), SETS ("code chat"),
-#   MODEL / DRAFT (default: the bundled pair), EXTRA (more `dspark serve` flags), PORT (18790)
+#   MODEL / DRAFT (default: the bundled pair), EXTRA (more `dspark serve` flags), PORT (18790),
+#   ROUNDS (1: each point's modes run this many times in turn; the table takes each one's median)
 set -u
 H=$(cd "$(dirname "$0")/../../shared/tools" 2>/dev/null && pwd) || { echo "needs ../shared/tools" >&2; exit 1; }
 read -r PY SITE < <("$H/sglang-bench-env.sh") || { echo "bench_serving env failed" >&2; exit 1; }
 MODES=${MODES:-"off dspark fixed threshold"}; CONCS=${CONCS:-"1 4 16 64 128"}; TEMPS=${TEMPS:-"0 1"}
-SETS=${SETS:-"code chat"}; EXTRA=${EXTRA:-}; port=${PORT:-18790}
+SETS=${SETS:-"code chat"}; EXTRA=${EXTRA:-}; port=${PORT:-18790}; ROUNDS=${ROUNDS:-1}
 MODEL=${MODEL:-$(pwd)/dspark_server/assets/demo/target}; DRAFT=${DRAFT:-$(pwd)/dspark_server/assets/demo/draft}
 OUT=$(mktemp -d); mkdir -p "$OUT/prompts"
 for pair in "code:../shared/prompts/humaneval.jsonl" "chat:../shared/prompts/mt-bench.jsonl"; do
@@ -53,8 +54,8 @@ for m in $MODES; do  # /ready: dspark mode profiles the engine at start-up
 done
 for T in $TEMPS; do for set in $SETS; do for c in $CONCS; do
   n=$(( c == 1 ? 12 : (c <= 16 ? 48 : 2 * c) ))
-  for m in $MODES; do
-    f=$OUT/$m-$set-c$c-t$T
+  for r in $(seq 1 "$ROUNDS"); do for m in $MODES; do
+    f=$OUT/$m-$set-c$c-t$T-r$r
     curl -s "127.0.0.1:${PORTS[$m]}/metrics" > "$f.before.prom"
     HF_HUB_OFFLINE=1 PYTHONPATH=$SITE timeout 900 "$PY" -m sglang.bench_serving --backend sglang-oai-chat \
       --base-url "http://127.0.0.1:${PORTS[$m]}" --model "$MODEL" --served-model-name target --tokenizer "$MODEL" \
@@ -65,5 +66,5 @@ for T in $TEMPS; do for set in $SETS; do for c in $CONCS; do
     ttft=$(grep -E 'Median TTFT' "$f.log" | awk '{print $NF}'); tpot=$(grep -E 'Median TPOT' "$f.log" | awk '{print $NF}')
     curl -s "127.0.0.1:${PORTS[$m]}/metrics" > "$f.after.prom"
     echo "ours-$m $set c=$c T=$T tps=${tps:-0} ttft_ms=${ttft:-0} tpot_ms=${tpot:-0}$(verified "$f" "$n")"
-  done
+  done; done
 done; done; done

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import re
+import statistics
 from collections import defaultdict
 from pathlib import Path
 from typing import Any
@@ -49,6 +50,22 @@ def parse(paths: list[Path]) -> list[dict[str, Any]]:
                     }
                 )
     return rows
+
+
+def medians(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """One row per (system, set, concurrency, temperature): the median of each number over the
+    rounds that measured it (runs with ROUNDS > 1 print a line per round)."""
+    groups: dict[tuple[str, str, int, float], list[dict[str, Any]]] = defaultdict(list)
+    for r in rows:
+        groups[(r["system"], r["set"], r["concurrency"], r["temperature"])].append(r)
+    out = []
+    for same in groups.values():
+        row = dict(same[0], rounds=len(same))
+        for key in ("tps", "ttft_ms", "tpot_ms", "verified_per_round", "verified_per_step"):
+            values = [r[key] for r in same if r[key] is not None]
+            row[key] = statistics.median(values) if values else None
+        out.append(row)
+    return out
 
 
 def _fmt(x: float | None, digits: int = 2) -> str:
@@ -156,7 +173,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--title", default="dspark serve under SGLang's bench_serving")
     p.add_argument("--command", default="", help="the command that produced the runs (quoted in the page)")
     a = p.parse_args(argv)
-    rows = parse(a.runs)
+    rows = medians(parse(a.runs))
     if not rows:
         p.error("no serve-bench lines found")
     write_json(a.out.with_suffix(".json"), rows)
