@@ -35,6 +35,7 @@ from dspark_server.engine.spec.drafting import Drafts, merge_drafts, sample_draf
 from dspark_server.engine.spec.lookup import PromptLookup
 from dspark_server.engine.spec.plain_lessons import PlainLessons
 from dspark_server.engine.spec.rounds import RoundRecord
+from dspark_server.engine.spec.sps_refresh import PlanningTable
 from dspark_server.engine.spec.step_lessons import teach
 from dspark_server.engine.spec.step_overhead import StepOverhead
 from dspark_server.engine.spec.verify import VerifyOutcome
@@ -47,13 +48,10 @@ from dspark_server.planner import (
     LiveSpsTable,
     OnlineCalibration,
     OnlineCalibrationConfig,
-    SpsCostTable,
     StsCalibration,
     VerifyPlanner,
     cap_lengths,
     conditionals,
-    fit_roofline,
-    monotone_envelope,
 )
 
 
@@ -156,11 +154,7 @@ class SpeculativeDecoder:
         self.deferred = self.context.deferred  # drafter-context writes put off by plain steps
         self.overhead = overhead  # None: price steps by SPS(B) alone, as the method doc does
         self.lookup = lookup  # None: the drafter drafts for every request
-        self._steps_since_refresh = 0
-        self._refreshed_at = float("-inf")
-        self._planned_from = planner.sps_table  # the table the planner's current one was made from
-        if planner.sps_table is not None:
-            planner.set_sps_table(self._planning_table(planner.sps_table))
+        self.planning_table = PlanningTable(planner, live_sps, roofline=overhead is not None)
         self.last_verify_lens: list[int] = []
         self.lessons = PlainLessons()  # plain steps' lessons waiting to be filed
         # Called once per step with every decoding request's round (calibration, evaluation).
@@ -406,7 +400,7 @@ class SpeculativeDecoder:
                 assert self.lookup is not None
                 lookup = self.lookup.confidences([self.gamma] * len(lookup_rows)).to(torch.float64)
                 survival[list(lookup_rows)] = np.cumprod(lookup.numpy(), axis=1)
-            self._refresh_sps_table()
+            self.planning_table.refresh()
             if self.overhead is not None:
                 self.planner.set_step_overhead(self.overhead.overhead(len(decodes), draft_s))
             planned = self.planner.plan_survival(
@@ -462,23 +456,3 @@ class SpeculativeDecoder:
         return conditionals(
             torch.from_numpy(self.calibrated_survival(confidence_logits, temperatures)).float()
         )
-
-    def _planning_table(self, table: SpsCostTable) -> SpsCostTable:
-        """Measured-cost planning (overhead priced) also plans on the roofline fitted to the probes
-        (``fit_roofline``); the method doc's cost model uses the measured probes as they are."""
-        return fit_roofline(table) if self.overhead is not None else monotone_envelope(table)
-
-    def _refresh_sps_table(self, every: int = 64, min_interval_s: float = 0.5) -> None:
-        """Hand the planner the live-refreshed curve; it moves slowly, so every few steps and at
-        most twice a second (a refit costs ~0.5 ms, 64 steps of the demo pair ~30 ms)."""
-        self._steps_since_refresh += 1
-        if self.live_sps is None or self._steps_since_refresh < every:
-            return
-        now = time.perf_counter()
-        if now - self._refreshed_at < min_interval_s:
-            return
-        self._steps_since_refresh, self._refreshed_at = 0, now
-        current = self.live_sps.current_table()
-        if current is not self._planned_from:  # unchanged (e.g. refresh off): nothing to refit
-            self._planned_from = current
-            self.planner.set_sps_table(self._planning_table(current))
