@@ -75,6 +75,14 @@ MUTATIONS: tuple[Mutation, ...] = (
                 "admitted = int(declines[0]) if declines.size else values.size",
                 "admitted = int(np.argmax(theta))",
             ),
+            Edit(  # one request's plain-float walk: the best of the walk, past a drop
+                "dspark_server/planner/planner.py",
+                "            if next_theta <= theta or admitted >= cap:\n                break\n"
+                "            tau, theta, admitted = next_tau, next_theta, k + 1",
+                "            if admitted >= cap:\n                break\n"
+                "            if next_theta > theta:\n"
+                "                tau, theta, admitted = next_tau, next_theta, k + 1",
+            ),
         ),
         (CAUSAL, "tests/test_causality.py"),
     ),
