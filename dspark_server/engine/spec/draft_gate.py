@@ -37,8 +37,8 @@ While drafting wins, a plain step is still taken now and then to keep the load's
 time current (it emits one token whatever the request, so that is all it teaches), within a
 budget of its own, ``refresh_overhead`` (0.5% of the time): under the 2% of explorations, one
 request drafting well on the demo pair (HumanEval, temperature 0, in-process, one thread) took a
-plain step after every four or five drafting steps, 66 of 339 steps, and each also made the next
-drafting step a cold one; at 0.5%, 60 of 635.
+plain step after every four or five drafting steps, and each also made the next drafting step a
+cold one.
 
 From plain steps, drafting is entered only when its forecast beats plain steps' rate by
 ``enter_margin`` (1.15); once drafting, it stays while it wins at all. Near break-even the

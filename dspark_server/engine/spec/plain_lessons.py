@@ -4,7 +4,7 @@ A plain step in dspark mode teaches the gate (its step time, the loop's time aft
 overhead estimate and the live SPS table (its forward at B decoding tokens). Filed one step at a
 time, those few updates cost more than their arithmetic: after a forward the objects they touch
 are out of the caches, and at one request on the demo pair (HumanEval, temperature 1) they cost
-~20 us of a ~0.7 ms plain step, as much as the rest of dspark mode's plain-step bookkeeping. While
+a few per cent of a plain step, as much as the rest of dspark mode's plain-step bookkeeping. While
 the gate holds a plain choice it reads none of them, so the steps' lessons wait here and are
 replayed in one go (warm) before the next choice the gate makes in full, before a drafting step,
 and every ``BATCH`` steps.
