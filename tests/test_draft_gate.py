@@ -97,6 +97,7 @@ def test_costly_exploration_is_rare_but_bounded() -> None:
         explore_fraction=1.0,
         prior_samples=0,
         explore_run=1,
+        max_explore_overhead=0.02,
     )
     drafts_all(gate, ids)
     gate.record(ids, True, [1] * 52 + [2] * 12, 0.060)  # 76 tokens, 1.1875 per request
