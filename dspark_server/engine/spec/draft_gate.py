@@ -35,12 +35,13 @@ flat budget spent a few per cent of the time re-learning that. ``max_explore_ove
 whole drafting steps are explored on that budget at one request (and near break-even), where a
 request held on plain steps is otherwise not looked at again within a 128-token response, and
 acceptance changes along a response. Through bench_serving at one request, temperature 0, chat
-(three rounds, servers side by side, the old value set through a scratch override): 6% against 2% +6 to +12% tokens/s (0.98-1.02x plain
-decoding instead of 0.91-0.97x); at temperature 1 on code, where drafting loses, -1% on average.
+(three rounds, servers side by side, the old value set through a scratch override): 6% against
+2% +6 to +12% tokens/s (0.98-1.02x plain decoding instead of 0.91-0.97x); at temperature 1 on
+code, where drafting loses, -1% on average.
 
 While drafting wins, a plain step is still taken now and then to keep the load's plain step
 time current (it emits one token whatever the request, so that is all it teaches), within a
-budget of its own, ``refresh_overhead`` (0.5% of the time): under the explorations' 2%, one
+budget of its own, ``refresh_overhead`` (0.5% of the time): under the explorations' (2% then), one
 request drafting well on the demo pair (HumanEval, temperature 0, in-process, one thread) took a
 plain step after every four or five drafting steps, and each also made the next drafting step a
 cold one.
