@@ -232,3 +232,26 @@ def test_report_renders_engine_level_results_and_an_sps_profile() -> None:
     sps = SpsCostTable((1, 8, 64), (250.0, 125.0, 50.0), 64).to_dict()
     assert kind_of(sps) == "sps"
     assert "| ms / step | 4.00 | 8.00 | 20.00 |" in render(sps)
+
+
+def test_serve_bench_table_takes_each_systems_median_over_rounds(tmp_path: Path) -> None:
+    from tools.serve_bench_table import main as table_main
+
+    lines = [
+        f"ours-{m} code c=1 T=0 tps={tps} ttft_ms={ttft} tpot_ms=1.0"
+        for m, tps, ttft in [
+            ("off", 100, 5),
+            ("dspark", 150, 9),
+            ("off", 120, 7),
+            ("dspark", 90, 6),
+            ("off", 110, 6),
+            ("dspark", 130, 7),
+        ]
+    ]
+    run = tmp_path / "run.txt"
+    run.write_text("\n".join(lines) + "\n")
+    assert table_main([str(run), "--out", str(tmp_path / "t")]) == 0
+    rows = {r["system"]: r for r in json.loads((tmp_path / "t.json").read_text())}
+    assert (rows["ours-off"]["tps"], rows["ours-dspark"]["tps"]) == (110, 130)
+    assert (rows["ours-off"]["rounds"], rows["ours-dspark"]["ttft_ms"]) == (3, 7)
+    assert "| 1 | 130 | 110 | 1.18 | 1.18 |" in (tmp_path / "t.md").read_text()
