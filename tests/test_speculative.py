@@ -387,9 +387,35 @@ def test_held_plain_steps_teach_the_gate_before_its_next_full_choice(pair: tuple
         record_plain(n, seconds)
 
     gate.record_plain = spy_plain  # type: ignore[method-assign]
+    # decode-only plain forwards also time the live SPS table
+    assert spec.live_sps is not None
+    live_record, keep_plain, file_lessons = spec.live_sps.record, spec.keep_plain, spec.file_lessons
+    timed: list[int] = []  # forwards the live table timed while the plain lessons were filed
+    decode_only: list[int] = []
+    filing = [False]
+
+    def spy_live(batch_tokens: int, seconds: float) -> bool:
+        if filing[0]:
+            timed.append(batch_tokens)
+        return live_record(batch_tokens, seconds)
+
+    def spy_file() -> None:
+        filing[0] = True
+        file_lessons()
+        filing[0] = False
+
+    def spy_keep(alloc: object, decodes: list, positions: list, prefills: list, forward: object) -> None:
+        if decodes and not prefills:
+            decode_only.append(len(decodes))
+        keep_plain(alloc, decodes, positions, prefills, forward)  # type: ignore[arg-type]
+
+    spec.live_sps.record = spy_live  # type: ignore[method-assign]
+    spec.keep_plain = spy_keep  # type: ignore[method-assign]
+    spec.file_lessons = spy_file  # type: ignore[method-assign]
     plain_steps = engine.stats.spec_steps_by_choice
     generate(engine, [[5, 6, 7], [8, 9]], [SamplingParams(temperature=0, max_tokens=60)] * 2)
     plain = sum(n for (_, choice), n in plain_steps.items() if choice == "plain")
     assert plain >= 40 and len(waiting_at_full_choice) >= 5
     assert all(n == 0 for n in waiting_at_full_choice)  # nothing waited into a full choice
     assert len(filed) == plain and not spec.lessons  # idle: every plain step filed
+    assert decode_only and timed == decode_only  # one token per decoding request, each filed

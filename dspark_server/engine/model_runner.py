@@ -74,7 +74,8 @@ class ModelRunner:
         t0 = time.perf_counter()
         batch = pack(chunks, self.allocator)
         logits_rows = tail_rows(batch.offsets, batch.lengths, logits_tail)
-        narrow, wide = torch.get_num_threads(), self._wide_threads(batch.num_tokens, len(chunks))
+        narrow = torch.get_num_threads()
+        wide = self._wide_threads(narrow, batch.num_tokens, len(chunks))
         if wide:
             torch.set_num_threads(wide)
         try:
@@ -92,9 +93,10 @@ class ModelRunner:
             c.table.length = c.start + len(c.token_ids)
         return ForwardResult(batch, out, time.perf_counter() - t0)
 
-    def _wide_threads(self, num_tokens: int, num_requests: int) -> int | None:
-        """Threads for a forward this wide, when they differ from the engine's (None: as is)."""
-        cfg, narrow = self.cfg, torch.get_num_threads()
+    def _wide_threads(self, narrow: int, num_tokens: int, num_requests: int) -> int | None:
+        """Threads for a forward this wide, when they differ from the engine's ``narrow`` (None:
+        as is)."""
+        cfg = self.cfg
         wide = cfg.wide_step_threads
         if not wide or wide == narrow or num_tokens < cfg.wide_step_tokens:
             return None

@@ -189,8 +189,6 @@ class SpeculativeDecoder:
         decodes' and the prefill chunks', are put off (``deferred``), so that a plain step in
         dspark mode costs what a plain step costs."""
         self.last_verify_lens = [0] * len(decodes)
-        if self.live_sps is not None and decodes and not prefills:
-            self.lessons.forwards.append((forward.batch.num_tokens, forward.seconds))
         self.context.defer_plain_step(alloc, decodes, positions, prefills, forward)
 
     @torch.inference_mode()
@@ -281,7 +279,6 @@ class SpeculativeDecoder:
             self.gate,
             self.overhead,
             [d.request for d in result.decodes],
-            True,
             forecast,
             result.forward,
             result.prefill_tokens,

@@ -15,7 +15,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from dspark_server.engine.spec.draft_gate import DraftGate
-from dspark_server.engine.spec.step_lessons import decode_share
+from dspark_server.engine.spec.step_lessons import teach_plain
 from dspark_server.engine.spec.step_overhead import StepOverhead
 from dspark_server.planner.live import LiveSpsTable
 
@@ -25,33 +25,26 @@ BATCH = 16  # plain steps' lessons filed at once at most
 @dataclass
 class PlainLessons:
     # per plain step with decoding requests: (requests, forward s, batch tokens, prefill tokens,
-    # step s)
+    # step s); one without prefill tokens also times a decode-only forward for the live SPS table
     steps: list[tuple[int, float, int, int, float]] = field(default_factory=list)
     outside: list[tuple[int, float]] = field(default_factory=list)  # (requests, loop s after a plain step)
-    forwards: list[tuple[int, float]] = field(default_factory=list)  # (batch tokens, s): decode-only forwards
 
     def full(self) -> bool:
         return len(self.steps) >= BATCH or len(self.outside) >= BATCH
 
     def __bool__(self) -> bool:
-        return bool(self.steps or self.outside or self.forwards)
+        return bool(self.steps or self.outside)
 
     def replay(
         self, gate: DraftGate | None, overhead: StepOverhead | None, live_sps: LiveSpsTable | None
     ) -> None:
         """File every waiting lesson, in the order the steps ran, and forget them."""
-        for batch_tokens, seconds in self.forwards:
-            if live_sps is not None:
-                live_sps.record(batch_tokens, seconds)
         for n, forward_s, batch_tokens, prefill_tokens, step_seconds in self.steps:
-            step_s, forward_share = decode_share(forward_s, batch_tokens, prefill_tokens, step_seconds)
-            if gate is not None:
-                gate.record_plain(n, step_s)
-            if overhead is not None:
-                overhead.record(n, step_s, forward_share, 0.0)
+            if live_sps is not None and not prefill_tokens:
+                live_sps.record(batch_tokens, forward_s)
+            teach_plain(gate, overhead, n, forward_s, batch_tokens, prefill_tokens, step_seconds)
         if gate is not None:
             for n, seconds in self.outside:
                 gate.record_outside(n, False, seconds)
         self.steps.clear()
         self.outside.clear()
-        self.forwards.clear()

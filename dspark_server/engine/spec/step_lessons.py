@@ -14,7 +14,6 @@ def teach(
     gate: DraftGate | None,
     overhead: StepOverhead | None,
     decodes: Sequence[Request],
-    drafted: bool,
     tokens: Sequence[float],
     forward: ForwardResult,
     prefill_tokens: int,
@@ -24,18 +23,33 @@ def teach(
     num_requests: int | None = None,
     kept: Sequence[int] | None = None,
 ) -> None:
-    """One step's decoding share of time, its tokens per request (``tokens``: expected or kept)
-    and, for a drafting step, the draft pass's time and the catch-up (``switch_seconds``)."""
+    """A drafting step's decoding share of time, its tokens per request (``tokens``: expected or
+    kept), the draft pass's time and the catch-up (``switch_seconds``)."""
     if not decodes:
         return
     step_s, forward_s = decode_share(forward.seconds, forward.batch.num_tokens, prefill_tokens, step_seconds)
-    if gate is not None and not drafted:
-        gate.record_plain(len(decodes), step_s)
-    elif gate is not None:
+    if gate is not None:
         ids, regimes = [r.request_id for r in decodes], [r.params.temperature for r in decodes]
-        gate.record(ids, drafted, tokens, step_s, switch_seconds, regimes, num_requests, kept)
+        gate.record(ids, True, tokens, step_s, switch_seconds, regimes, num_requests, kept)
     if overhead is not None and (num_requests is None or num_requests == len(decodes)):
         overhead.record(len(decodes), step_s, forward_s, draft_seconds)
+
+
+def teach_plain(
+    gate: DraftGate | None,
+    overhead: StepOverhead | None,
+    num_decodes: int,
+    forward_seconds: float,
+    batch_tokens: int,
+    prefill_tokens: int,
+    step_seconds: float,
+) -> None:
+    """A plain step's decoding share of time (one token per request, no draft pass)."""
+    step_s, forward_s = decode_share(forward_seconds, batch_tokens, prefill_tokens, step_seconds)
+    if gate is not None:
+        gate.record_plain(num_decodes, step_s)
+    if overhead is not None:
+        overhead.record(num_decodes, step_s, forward_s, 0.0)
 
 
 def decode_share(
