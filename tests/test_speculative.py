@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import functools
 import random
+import tempfile
 import time
 from pathlib import Path
 
@@ -24,7 +26,7 @@ from dspark_server.planner import (
     save_calibration_set,
     save_sts_calibration,
 )
-from dspark_server.testing.tiny import build_tiny_drafter, build_tiny_model
+from dspark_server.testing.tiny import build_tiny_drafter, build_tiny_model, write_flat_sps_profile
 
 MODES = ("fixed", "threshold", "dspark")
 
@@ -44,16 +46,28 @@ def small_vocab_pair(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Pa
     return target, build_tiny_drafter(target, root / "draft", gamma=3, seed=8, init_std=0.05)
 
 
+@functools.cache
+def pinned_costs() -> str:
+    """An SPS table in which a step costs the same at any batch size (verifying more is free):
+    the planner's choices then depend on the drafts alone, never on a start-up profile's timings."""
+    return str(write_flat_sps_profile(Path(tempfile.mkdtemp(prefix="pinned-sps-")) / "flat.json"))
+
+
 def make_engine(target: Path, draft: Path | None, mode: str = "off", **kw: object) -> LLMEngine:
-    # The measured-time parts of dspark mode (draft gate, step-overhead pricing) are off unless a
-    # test asks: random tiny drafters rarely pay off, and these tests need rounds to happen. So is
-    # the prompt lookup: these tests count the drafter's rounds (tests/test_prompt_lookup.py).
+    # The measured-time parts of dspark mode (draft gate, step-overhead pricing, the start-up SPS
+    # profile and its live refresh) are pinned unless a test asks for the draft gate: random tiny
+    # drafters rarely pay off, a busy machine's profile can make verification look ruinous, and
+    # these tests need rounds to happen. So is the prompt lookup off: these tests count the
+    # drafter's rounds (tests/test_prompt_lookup.py).
+    measured = bool(kw.pop("draft_gate", False))
     spec = SpeculativeConfig(
         mode=mode if draft else "off",
         threshold=0.3,  # type: ignore[arg-type]
-        draft_gate=bool(kw.pop("draft_gate", False)),
+        draft_gate=measured,
         price_step_overhead=bool(kw.pop("price_step_overhead", False)),
         prompt_lookup=bool(kw.pop("prompt_lookup", False)),
+        profile_path=None if measured else pinned_costs(),
+        live_sps_refresh=measured,
     )
     cfg = EngineConfig(
         model_dir=str(target),
