@@ -348,6 +348,7 @@ def test_from_plain_steps_drafting_must_win_by_the_margin_once_drafting_it_need_
     bucket.plain_seconds.update(0.001, 1.0)
     for tokens, from_plain, from_drafting in ((4.4, False, True), (4.8, True, True), (3.9, False, False)):
         gate._forecast["b"] = tokens  # 4.4 per 4 ms: 1.1x plain; 4.8: 1.2x; 3.9: behind
+        gate._hold = None  # (a forecast moves through ``record``, which ends a held choice)
         bucket.since_plain = bucket.since_explore = 0  # (no exploration is due)
         gate._last_drafted, gate._run_left = False, 0
         assert drafts_all(gate, ["b"]) is from_plain, tokens
@@ -543,3 +544,35 @@ def test_a_bucket_that_measured_only_plain_steps_takes_drafting_from_its_measure
     # ramping down: the mid bucket now has room and decides on rates, no warm-up drafting
     picks = [gate.choose(mid, room=10_000) for _ in range(8)]
     assert all(len(p) < len(mid) for p in picks)
+
+
+def test_a_held_drafting_choice_is_the_choice_a_full_one_would_make() -> None:
+    # while drafting clearly wins, the gate holds it for the next steps of the same requests
+    # instead of choosing in full (their lessons wait meanwhile: HeldLessons); with nothing learnt
+    # in between, every held choice and every plain-time refresh falls where full choices put it
+    def gate(max_hold: int) -> DraftGate:
+        g = DraftGate(min_samples=1, smoothing=1.0, request_smoothing=1.0, prior_samples=0, max_hold=max_hold)
+        b = g._bucket(2)
+        b.draft_seconds.update(0.002, 1.0)
+        b.plain_seconds.update(0.001, 1.0)
+        g._forecast.update({"a": 6.0, "b": 6.0})  # 12 tokens per 2 ms: 3x plain's 2 per 1 ms
+        return g
+
+    held, full = gate(8), gate(0)
+    full_choices = []
+    inner = held._choose
+
+    def counting(ids: list[str], regimes: list[float] | None, whole: bool) -> list[int]:
+        full_choices.append(held._steps)
+        return inner(ids, regimes, whole)
+
+    held._choose = counting  # type: ignore[method-assign]
+    ids = ["a", "b"]
+    choices = [drafts_all(held, ids) for _ in range(400)]
+    assert choices == [drafts_all(full, ids) for _ in range(400)]
+    assert 4 <= choices.count(False) <= 8  # plain steps refresh the plain time, every ~67 steps
+    assert len(full_choices) < 400 / 5  # most choices were held ones
+    # a step of other requests ends the hold: it is chosen in full
+    assert held.holds(ids) or held._hold is None
+    before = len(full_choices)
+    assert drafts_all(held, ["a"]) and len(full_choices) == before + 1

@@ -374,7 +374,7 @@ def test_the_loops_time_between_steps_reaches_the_gate_not_idle_time(pair: tuple
 
 
 def test_held_plain_steps_teach_the_gate_before_its_next_full_choice(pair: tuple[Path, Path]) -> None:
-    # plain steps' lessons wait while the gate holds a plain choice (PlainLessons), and must all
+    # plain steps' lessons wait while the gate holds a plain choice (HeldLessons), and must all
     # be filed before it chooses in full and when the engine goes idle
     target, draft = pair
     engine = make_engine(target, draft, "dspark", draft_gate=True, price_step_overhead=True)
@@ -433,3 +433,48 @@ def test_held_plain_steps_teach_the_gate_before_its_next_full_choice(pair: tuple
     assert all(n == 0 for n in waiting_at_full_choice)  # nothing waited into a full choice
     assert len(filed) == plain and not spec.lessons  # idle: every plain step filed
     assert decode_only and timed == decode_only  # one token per decoding request, each filed
+
+
+def test_held_drafting_steps_teach_the_gate_before_its_next_full_choice(pair: tuple[Path, Path]) -> None:
+    # while the gate holds drafting, each drafting step's lesson waits (HeldLessons) and must be
+    # filed before the gate chooses in full, and when the engine goes idle
+    target, draft = pair
+    engine = make_engine(target, draft, "dspark", draft_gate=True, price_step_overhead=True)
+    spec = engine.spec
+    assert spec is not None and spec.gate is not None
+    gate = spec.gate
+    waiting_at_full_choice: list[int] = []
+    full_choose = gate._choose
+
+    def spy_choose(ids: list[str], regimes: list[float] | None, whole: bool) -> list[int]:
+        waiting_at_full_choice.append(len(spec.lessons.drafts) + len(spec.lessons.steps))
+        # drafting steps from here on, held for 8 steps at a time
+        if gate._bucket(len(ids)).measured(gate.min_samples):
+            gate._steps += 1
+            return gate._hold_drafting(ids, gate._bucket(len(ids)), 8)
+        return full_choose(ids, regimes, whole)
+
+    gate._choose = spy_choose  # type: ignore[method-assign]
+    filed: list[int] = []
+    gate_record = gate.record
+
+    def spy_record(ids: list[str], drafted: bool, *args: object, **kwargs: object) -> None:
+        if drafted:
+            filed.append(len(ids))
+        gate_record(ids, drafted, *args, **kwargs)  # type: ignore[arg-type]
+
+    gate.record = spy_record  # type: ignore[method-assign]
+    waiting_after_step: list[int] = []
+    record = spec.record
+
+    def spy_step_record(*args: object) -> None:
+        record(*args)  # type: ignore[arg-type]
+        waiting_after_step.append(len(spec.lessons.drafts))
+
+    spec.record = spy_step_record  # type: ignore[method-assign]
+    generate(engine, [[5, 6, 7], [8, 9]], [SamplingParams(temperature=0, max_tokens=60)] * 2)
+    drafting_steps = len(waiting_after_step)
+    assert drafting_steps >= 10 and len(waiting_at_full_choice) >= 3
+    assert max(waiting_after_step) >= 4  # lessons did wait while drafting was held ...
+    assert all(n == 0 for n in waiting_at_full_choice)  # ... but never into a full choice
+    assert len(filed) == drafting_steps and not spec.lessons  # idle: every drafting step filed

@@ -8,8 +8,9 @@ then rounds of ``--requests`` requests (chat-formatted prompts from --prompts, 1
 ignore_eos) run variant after variant, interleaved. Variants: ``off``, ``fixed``, ``dspark`` (the
 draft gate deciding), ``pinned`` (dspark mode with the gate pinned to plain steps: what dspark
 mode's bookkeeping costs a plain step), ``no-margin`` (the gate entering drafting as soon as
-its forecast wins at all: ``DraftGate.enter_margin`` 1) and ``no-hold`` (the gate choosing in
-full at every step: ``DraftGate.max_hold`` 0). Prints tokens/s per round, then each
+its forecast wins at all: ``DraftGate.enter_margin`` 1), ``no-hold`` (the gate choosing in
+full at every step: ``DraftGate.max_hold`` 0) and ``no-gate`` (dspark mode without the draft
+gate: every step drafts and the planner alone decides what to verify). Prints tokens/s per round, then each
 variant's median and its ratio to ``off``. A diagnostic of the engine alone: the serving sweep is
 the figure that counts.
 """
@@ -29,7 +30,7 @@ from dspark_server.engine.engine import LLMEngine
 from dspark_server.engine.request import RequestOutput, SamplingParams
 from dspark_server.engine.spec.draft_gate import DraftGate
 
-VARIANTS = ("off", "fixed", "dspark", "pinned", "no-margin", "no-hold")
+VARIANTS = ("off", "fixed", "dspark", "pinned", "no-margin", "no-hold", "no-gate")
 
 
 def _pin_plain(gate: DraftGate) -> None:
@@ -46,8 +47,8 @@ def _pin_plain(gate: DraftGate) -> None:
 def build(
     variant: str, model: str, draft: str, max_running: int, weight_dtype: str, threads: int | None
 ) -> LLMEngine:
-    mode = "dspark" if variant in ("pinned", "no-margin", "no-hold") else variant
-    spec = SpeculativeConfig(mode=mode)  # type: ignore[arg-type]
+    mode = "dspark" if variant in ("pinned", "no-margin", "no-hold", "no-gate") else variant
+    spec = SpeculativeConfig(mode=mode, draft_gate=variant != "no-gate")  # type: ignore[arg-type]
     cfg = EngineConfig(
         model_dir=model,
         draft_dir=None if mode == "off" else draft,

@@ -32,11 +32,11 @@ from dspark_server.engine.spec.context_writes import ContextWrites
 from dspark_server.engine.spec.deferred_context import Run
 from dspark_server.engine.spec.draft_gate import DraftGate
 from dspark_server.engine.spec.drafting import Drafts, merge_drafts, sample_drafts
+from dspark_server.engine.spec.held_lessons import HeldLessons
 from dspark_server.engine.spec.lookup import PromptLookup
-from dspark_server.engine.spec.plain_lessons import PlainLessons
 from dspark_server.engine.spec.rounds import RoundRecord
 from dspark_server.engine.spec.sps_refresh import PlanningTable
-from dspark_server.engine.spec.step_lessons import teach
+from dspark_server.engine.spec.step_lessons import DraftingLesson, teach
 from dspark_server.engine.spec.step_overhead import StepOverhead
 from dspark_server.engine.spec.verify import VerifyOutcome
 from dspark_server.engine.spec.verify_forward import verify_forward
@@ -156,7 +156,7 @@ class SpeculativeDecoder:
         self.lookup = lookup  # None: the drafter drafts for every request
         self.planning_table = PlanningTable(planner, live_sps, roofline=overhead is not None)
         self.last_verify_lens: list[int] = []
-        self.lessons = PlainLessons()  # plain steps' lessons waiting to be filed
+        self.lessons = HeldLessons()  # held steps' lessons waiting to be filed
         # Called once per step with every decoding request's round (calibration, evaluation).
         self.round_observers: list[Callable[[RoundRecord], None]] = []
 
@@ -174,7 +174,7 @@ class SpeculativeDecoder:
         return [decodes[i] for i in self.gate.choose(ids, regimes, room)]
 
     def file_lessons(self) -> None:
-        """File the plain steps' waiting lessons (``PlainLessons``)."""
+        """File the held steps' waiting lessons (``HeldLessons``)."""
         self.lessons.replay(self.gate, self.overhead, self.live_sps)
 
     def keep_plain(
@@ -207,7 +207,7 @@ class SpeculativeDecoder:
         if not decodes:
             raise ValueError("a speculative step needs decoding requests (else it is a plain step)")
         t_start = time.perf_counter()
-        if self.lessons:
+        if self.lessons.has_plain():  # a held drafting step's lessons may wait on
             self.file_lessons()
         plain = list(plain)
         sampling = SamplingTensors.from_params([r.params for r in decodes])
@@ -270,17 +270,20 @@ class SpeculativeDecoder:
 
     def record(self, result: SpecStepResult, kept: Sequence[int], step_seconds: float) -> None:
         """After the engine committed ``result`` (``kept``: the tokens each request kept): teach
-        the gate and the overhead estimate."""
+        the gate and the overhead estimate, or, while the gate holds drafting for these
+        requests, file the lesson with the next full choice (``HeldLessons``)."""
         forecast = kept if result.expected_tokens is None else result.expected_tokens
         # the catch-up is the price of switching from plain steps: priced as the steady cost of
         # drafting, it would keep the gate on plain steps, whose put-off writes grow the next one
         catch_up = result.catch_up_seconds
-        teach(
-            self.gate,
-            self.overhead,
-            [d.request for d in result.decodes],
+        requests = [d.request for d in result.decodes]
+        ids = [r.request_id for r in requests]
+        lesson = DraftingLesson(
+            ids,
+            [r.params.temperature for r in requests],
             forecast,
-            result.forward,
+            result.forward.seconds,
+            result.forward.batch.num_tokens,
             result.prefill_tokens,
             result.draft_seconds - catch_up,
             step_seconds - catch_up,
@@ -288,12 +291,20 @@ class SpeculativeDecoder:
             len(result.decodes) + len(result.plain),
             kept if result.expected_tokens is not None else None,
         )
+        if self.gate is not None and self.gate.holds(ids):
+            self.lessons.drafts.append(lesson)
+            if self.lessons.full():
+                self.file_lessons()
+            return
+        if self.lessons:
+            self.file_lessons()
+        teach(self.gate, self.overhead, lesson)
 
     def record_plain(
         self, decodes: list[Request], forward: ForwardResult, prefill_tokens: int, step_seconds: float
     ) -> None:
         """After a plain step (``keep_plain``): the same lessons, one token per request, filed
-        with the next full choice (``PlainLessons``)."""
+        with the next full choice (``HeldLessons``)."""
         if decodes:
             batch = forward.batch.num_tokens
             self.lessons.steps.append((len(decodes), forward.seconds, batch, prefill_tokens, step_seconds))

@@ -55,6 +55,18 @@ decoding's throughput (medians of three interleaved rounds: ``python -m tools.ch
 --concurrency 64 --requests 128 --variants off dspark no-margin --prompts
 ../shared/prompts/humaneval.jsonl --threads 1``).
 
+A clear choice is held for the next steps of the same requests (at most ``max_hold``), so those
+steps skip the full choice: plain while drafting loses by ``hold_margin`` (up to the step before
+an exploration could fall due), and drafting, after a drafting step, while it wins by
+``hold_margin`` (up to the step before the plain-time refresh falls due). The held steps'
+lessons wait and are filed in one go before the next full choice
+(``engine/spec/held_lessons.py``). At one request on the demo pair a drafting step's full choice
+and lesson cost ~24 and ~30 us (of ~2.2 ms; HumanEval, temperature 0, in-process); holding
+drafting took dspark mode from 0.950 / 0.943x fixed mode's throughput to 0.965 / 0.957x (two
+runs of each build, alternated: ``python -m tools.churn_ab --concurrency 1 --temperature 0
+--requests 24 --rounds 3 --variants off fixed dspark --threads 1 --prompts
+../shared/prompts/humaneval.jsonl``).
+
 A request's own average starts from the prior weighed as one drafting step (its first steps
 outweigh it: 1/2, 1/3, 1/4 ...), then moves by ``request_smoothing`` (0.2) of each drafting
 step's tokens:
@@ -252,9 +264,9 @@ class DraftGate:
         self.hold_margin = hold_margin
         self.refresh_overhead = refresh_overhead
         self._steps = 0
-        # a plain choice held for the next steps of the same requests: (steps left, their ids,
-        # the load bucket whose counters those steps advance)
-        self._hold: tuple[int, tuple[str, ...], _Bucket] | None = None
+        # a choice held for the next steps of the same requests: (steps left, their ids, the load
+        # bucket whose counters those steps advance, whether the choice drafts)
+        self._hold: tuple[int, tuple[str, ...], _Bucket, bool] | None = None
         # whether the last two choices drafted for every request (None: not asked): a drafting
         # step is warm when the choice before it drafted too
         self._last_drafted: bool | None = None
@@ -417,27 +429,30 @@ class DraftGate:
         return chosen
 
     def holds(self, request_ids: Sequence[str]) -> bool:
-        """Whether the next ``choose`` for these requests is a held plain choice (one that reads
-        no estimate)."""
+        """Whether the next ``choose`` for these requests is a held choice (one that reads no
+        estimate: plain, or drafting while it clearly wins)."""
         hold = self._hold
         return hold is not None and hold[0] > 0 and hold[1] == tuple(request_ids)
 
     def _held(self, request_ids: Sequence[str]) -> list[int] | None:
-        """A plain choice still held for these very requests: the step only advances the
-        counters a full choice would (None: choose in full). Where plain steps win clearly, the
-        full choice (forecasts aged per request, rates, exploration intervals) cost ~20-30 us a
-        step, which at one request is several per cent of a ~0.5 ms plain step."""
+        """A choice still held for these very requests: the step only advances the counters a
+        full choice would (None: choose in full). Where one choice wins clearly, the full choice
+        (forecasts aged per request, rates, exploration intervals) cost ~20-30 us a step, which
+        at one request is several per cent of a ~0.5 ms plain step, and ~1% of a drafting one,
+        whose lessons also wait while it is held (``SpeculativeDecoder.lessons``)."""
         hold = self._hold
         if hold is None:
             return None
-        left, ids, b = hold
+        left, ids, b, drafting = hold
         if left <= 0 or ids != tuple(request_ids):
             self._hold = None
             return None
-        self._hold = (left - 1, ids, b)
+        self._hold = (left - 1, ids, b, drafting)
         self._steps += 1
         b.since_explore += 1
         b.since_plain += 1
+        if drafting:  # (since_partial stays 0, as the full choice to draft that started it set)
+            return list(range(len(ids)))
         b.since_partial += 1
         return []
 
@@ -445,8 +460,15 @@ class DraftGate:
         """Choose plain now and for up to ``steps`` more steps of the same requests (capped by
         ``max_hold``), re-deciding as soon as the requests change."""
         steps = min(self.max_hold, steps)
-        self._hold = (steps, tuple(request_ids), b) if steps > 0 else None
+        self._hold = (steps, tuple(request_ids), b, False) if steps > 0 else None
         return []
+
+    def _hold_drafting(self, request_ids: Sequence[str], b: _Bucket, steps: int) -> list[int]:
+        """Draft for every request now and for up to ``steps`` more steps of the same requests
+        (capped by ``max_hold``)."""
+        steps = min(self.max_hold, steps)
+        self._hold = (steps, tuple(request_ids), b, True) if steps > 0 else None
+        return list(range(len(request_ids)))
 
     def _explore_drafting(self, everyone: list[int]) -> list[int]:
         """Start an exploration run of whole drafting steps (``explore_run`` of them)."""
@@ -491,10 +513,15 @@ class DraftGate:
             # it only refreshes the load's plain step time (a plain step emits one token for
             # any request): due when no plain step measured it for the interval
             lost = plain_s * (1.0 - plain_rate / draft_rate) + switch
-            if b.since_plain >= self.explore_interval(lost, draft_s, self.refresh_overhead):
+            refresh_due = self.explore_interval(lost, draft_s, self.refresh_overhead)
+            if b.since_plain >= refresh_due:
                 b.since_explore = b.since_plain = 0
                 return nobody
             b.since_partial = 0  # every forecast is being refreshed
+            # drafting after drafting and winning clearly: for the next few steps of these
+            # requests too, up to the step before the plain-time refresh falls due
+            if self._last_drafted and entry_rate >= bar * self.hold_margin:
+                return self._hold_drafting(request_ids, b, refresh_due - b.since_plain - 1)
             return everyone
         # plain is faster; exploring a run of drafting steps also pays the switch into it
         loss_rate = max(0.0, 1.0 - draft_rate / plain_rate)

@@ -3,36 +3,52 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import NamedTuple
 
-from dspark_server.engine.model_runner import ForwardResult
-from dspark_server.engine.request import Request
 from dspark_server.engine.spec.draft_gate import DraftGate
 from dspark_server.engine.spec.step_overhead import StepOverhead
 
 
-def teach(
-    gate: DraftGate | None,
-    overhead: StepOverhead | None,
-    decodes: Sequence[Request],
-    tokens: Sequence[float],
-    forward: ForwardResult,
-    prefill_tokens: int,
-    draft_seconds: float,
-    step_seconds: float,
-    switch_seconds: float = 0.0,
-    num_requests: int | None = None,
-    kept: Sequence[int] | None = None,
-) -> None:
+class DraftingLesson(NamedTuple):
+    """What a drafting step teaches, in plain values (it may wait to be filed: it holds no
+    request and no tensor). ``tokens``: each drafting request's expected tokens (or kept);
+    ``kept``: the tokens each did keep, when ``tokens`` are expectations."""
+
+    request_ids: list[str]
+    regimes: list[float]
+    tokens: Sequence[float]
+    forward_seconds: float
+    batch_tokens: int
+    prefill_tokens: int
+    draft_seconds: float
+    step_seconds: float
+    switch_seconds: float = 0.0
+    num_requests: int | None = None
+    kept: Sequence[int] | None = None
+
+
+def teach(gate: DraftGate | None, overhead: StepOverhead | None, lesson: DraftingLesson) -> None:
     """A drafting step's decoding share of time, its tokens per request (``tokens``: expected or
     kept), the draft pass's time and the catch-up (``switch_seconds``)."""
-    if not decodes:
+    if not lesson.request_ids:
         return
-    step_s, forward_s = decode_share(forward.seconds, forward.batch.num_tokens, prefill_tokens, step_seconds)
+    step_s, forward_s = decode_share(
+        lesson.forward_seconds, lesson.batch_tokens, lesson.prefill_tokens, lesson.step_seconds
+    )
+    n, num_requests = len(lesson.request_ids), lesson.num_requests
     if gate is not None:
-        ids, regimes = [r.request_id for r in decodes], [r.params.temperature for r in decodes]
-        gate.record(ids, True, tokens, step_s, switch_seconds, regimes, num_requests, kept)
-    if overhead is not None and (num_requests is None or num_requests == len(decodes)):
-        overhead.record(len(decodes), step_s, forward_s, draft_seconds)
+        gate.record(
+            lesson.request_ids,
+            True,
+            lesson.tokens,
+            step_s,
+            lesson.switch_seconds,
+            lesson.regimes,
+            num_requests,
+            lesson.kept,
+        )
+    if overhead is not None and (num_requests is None or num_requests == n):
+        overhead.record(n, step_s, forward_s, lesson.draft_seconds)
 
 
 def teach_plain(
