@@ -36,6 +36,7 @@ def test_gate_measures_both_then_follows_the_faster_and_explores() -> None:
         prior_samples=0,
         request_smoothing=0.5,
         explore_run=1,
+        odds_power=2.0,
     )
     _warm(gate, IDS8, (10, 1.0), 1.0)  # drafting: 80 tokens/s, plain: 8 tokens/s
     picks = [drafts_all(gate, IDS8) for _ in range(8)]
@@ -98,6 +99,7 @@ def test_costly_exploration_is_rare_but_bounded() -> None:
         prior_samples=0,
         explore_run=1,
         max_explore_overhead=0.02,
+        odds_power=2.0,
     )
     drafts_all(gate, ids)
     gate.record(ids, True, [1] * 52 + [2] * 12, 0.060)  # 76 tokens, 1.1875 per request
@@ -112,6 +114,9 @@ def test_costly_exploration_is_rare_but_bounded() -> None:
     assert picks.count(True) == 2 and picks[255] and picks[511]
     # near break-even the whole budget is spent: a rate at 0.9x plain's has odds 1
     assert gate.exploration_odds(0.9, 1.0) == pytest.approx(1.0) and gate.exploration_odds(0.45, 1.0) == 0.25
+    # by default the odds fall with the fourth power: at temperature 1 on the demo pair, one
+    # request, drafting's forecast at ~0.58x plain's rate (odds 0.17 instead of 0.41)
+    assert DraftGate().exploration_odds(0.45, 1.0) == 0.0625
     capped = DraftGate(explore_every=4, max_explore_interval=64)
     assert capped.explore_interval(lost, 0.010) == 64
     assert capped.explore_interval(0.0, 0.010) == 4
@@ -130,6 +135,7 @@ def test_while_plain_is_faster_a_few_requests_explore_drafting_for_all() -> None
         prior_samples=0,
         request_smoothing=0.5,
         explore_run=1,
+        odds_power=2.0,
     )
     assert gate.choose(ids) == list(range(64))  # warm-up: one of each
     gate.record(ids, True, [1] * 52 + [2] * 12, 0.060, regimes=[1.0] * 64)

@@ -9,8 +9,10 @@ ignore_eos) run variant after variant, interleaved. Variants: ``off``, ``fixed``
 draft gate deciding), ``pinned`` (dspark mode with the gate pinned to plain steps: what dspark
 mode's bookkeeping costs a plain step), ``no-margin`` (the gate entering drafting as soon as
 its forecast wins at all: ``DraftGate.enter_margin`` 1), ``no-hold`` (the gate choosing in
-full at every step: ``DraftGate.max_hold`` 0) and ``no-gate`` (dspark mode without the draft
-gate: every step drafts and the planner alone decides what to verify). Prints tokens/s per round, then each
+full at every step: ``DraftGate.max_hold`` 0), ``odds-square`` (explorations budgeted by the
+square of drafting's rate ratio, not its fourth power: ``DraftGate.odds_power`` 2) and
+``no-gate`` (dspark mode without the draft gate: every step drafts and the planner alone decides
+what to verify). Prints tokens/s per round, then each
 variant's median and its ratio to ``off``. A diagnostic of the engine alone: the serving sweep is
 the figure that counts.
 """
@@ -30,7 +32,7 @@ from dspark_server.engine.engine import LLMEngine
 from dspark_server.engine.request import RequestOutput, SamplingParams
 from dspark_server.engine.spec.draft_gate import DraftGate
 
-VARIANTS = ("off", "fixed", "dspark", "pinned", "no-margin", "no-hold", "no-gate")
+VARIANTS = ("off", "fixed", "dspark", "pinned", "no-margin", "no-hold", "odds-square", "no-gate")
 
 
 def _pin_plain(gate: DraftGate) -> None:
@@ -47,7 +49,7 @@ def _pin_plain(gate: DraftGate) -> None:
 def build(
     variant: str, model: str, draft: str, max_running: int, weight_dtype: str, threads: int | None
 ) -> LLMEngine:
-    mode = "dspark" if variant in ("pinned", "no-margin", "no-hold", "no-gate") else variant
+    mode = "dspark" if variant in ("pinned", "no-margin", "no-hold", "odds-square", "no-gate") else variant
     spec = SpeculativeConfig(mode=mode, draft_gate=variant != "no-gate")  # type: ignore[arg-type]
     cfg = EngineConfig(
         model_dir=model,
@@ -65,6 +67,8 @@ def build(
         gate.enter_margin = 1.0
     if variant == "no-hold" and gate is not None:
         gate.max_hold = 0
+    if variant == "odds-square" and gate is not None:
+        gate.odds_power = 2.0
     return engine
 
 
