@@ -373,26 +373,36 @@ def test_the_loops_time_between_steps_reaches_the_gate_not_idle_time(pair: tuple
     assert {d for _, d, _ in seen} == {True, False}  # warm-up steps of both kinds
 
 
-def test_held_plain_steps_teach_the_gate_before_its_next_full_choice(pair: tuple[Path, Path]) -> None:
-    # plain steps' lessons wait while the gate holds a plain choice (HeldLessons), and must all
-    # be filed before it chooses in full and when the engine goes idle
-    target, draft = pair
-    engine = make_engine(target, draft, "dspark", draft_gate=True, price_step_overhead=True)
+def _engine_holding(pair: tuple[Path, Path], drafting: bool) -> tuple[LLMEngine, list[int]]:
+    """A dspark engine whose gate, once warm, holds one choice (drafting or plain) for 8 steps at
+    a time, and the number of lessons waiting at each of its full choices."""
+    engine = make_engine(*pair, "dspark", draft_gate=True, price_step_overhead=True)
     spec = engine.spec
     assert spec is not None and spec.gate is not None
     gate = spec.gate
     waiting_at_full_choice: list[int] = []
     full_choose = gate._choose
+    hold = gate._hold_drafting if drafting else gate._hold_plain
 
     def spy_choose(ids: list[str], regimes: list[float] | None, whole: bool) -> list[int]:
-        waiting_at_full_choice.append(len(spec.lessons.steps) + len(spec.lessons.outside))
-        # plain steps from here on, held for 8 steps at a time
+        lessons = spec.lessons
+        waiting_at_full_choice.append(len(lessons.steps) + len(lessons.outside) + len(lessons.drafts))
         if gate._bucket(len(ids)).measured(gate.min_samples):
             gate._steps += 1
-            return gate._hold_plain(ids, gate._bucket(len(ids)), 8)
+            return hold(ids, gate._bucket(len(ids)), 8)
         return full_choose(ids, regimes, whole)
 
     gate._choose = spy_choose  # type: ignore[method-assign]
+    return engine, waiting_at_full_choice
+
+
+def test_held_plain_steps_teach_the_gate_before_its_next_full_choice(pair: tuple[Path, Path]) -> None:
+    # plain steps' lessons wait while the gate holds a plain choice (HeldLessons), and must all
+    # be filed before it chooses in full and when the engine goes idle
+    engine, waiting_at_full_choice = _engine_holding(pair, drafting=False)
+    spec = engine.spec
+    assert spec is not None and spec.gate is not None
+    gate = spec.gate
     filed = []
     record_plain = gate.record_plain
 
@@ -438,23 +448,10 @@ def test_held_plain_steps_teach_the_gate_before_its_next_full_choice(pair: tuple
 def test_held_drafting_steps_teach_the_gate_before_its_next_full_choice(pair: tuple[Path, Path]) -> None:
     # while the gate holds drafting, each drafting step's lesson waits (HeldLessons) and must be
     # filed before the gate chooses in full, and when the engine goes idle
-    target, draft = pair
-    engine = make_engine(target, draft, "dspark", draft_gate=True, price_step_overhead=True)
+    engine, waiting_at_full_choice = _engine_holding(pair, drafting=True)
     spec = engine.spec
     assert spec is not None and spec.gate is not None
     gate = spec.gate
-    waiting_at_full_choice: list[int] = []
-    full_choose = gate._choose
-
-    def spy_choose(ids: list[str], regimes: list[float] | None, whole: bool) -> list[int]:
-        waiting_at_full_choice.append(len(spec.lessons.drafts) + len(spec.lessons.steps))
-        # drafting steps from here on, held for 8 steps at a time
-        if gate._bucket(len(ids)).measured(gate.min_samples):
-            gate._steps += 1
-            return gate._hold_drafting(ids, gate._bucket(len(ids)), 8)
-        return full_choose(ids, regimes, whole)
-
-    gate._choose = spy_choose  # type: ignore[method-assign]
     filed: list[int] = []
     gate_record = gate.record
 
