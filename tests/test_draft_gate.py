@@ -36,7 +36,6 @@ def test_gate_measures_both_then_follows_the_faster_and_explores() -> None:
         prior_samples=0,
         request_smoothing=0.5,
         explore_run=1,
-        odds_power=2.0,
     )
     _warm(gate, IDS8, (10, 1.0), 1.0)  # drafting: 80 tokens/s, plain: 8 tokens/s
     picks = [drafts_all(gate, IDS8) for _ in range(8)]

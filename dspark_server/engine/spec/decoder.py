@@ -272,6 +272,8 @@ class SpeculativeDecoder:
         """After the engine committed ``result`` (``kept``: the tokens each request kept): teach
         the gate and the overhead estimate, or, while the gate holds drafting for these
         requests, file the lesson with the next full choice (``HeldLessons``)."""
+        if self.gate is None and self.overhead is None:  # fixed / threshold: nobody learns
+            return
         forecast = kept if result.expected_tokens is None else result.expected_tokens
         # the catch-up is the price of switching from plain steps: priced as the steady cost of
         # drafting, it would keep the gate on plain steps, whose put-off writes grow the next one
