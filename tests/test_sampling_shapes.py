@@ -8,7 +8,7 @@ import torch
 from chi_square import chi_square_gof
 
 from dspark_server.engine.request import SamplingParams
-from dspark_server.engine.sampling import SamplingTensors, sample_from_logits, shape_probs
+from dspark_server.engine.sampling import SamplingCache, SamplingTensors, sample_from_logits, shape_probs
 
 
 def test_temperature_only_rows_are_shaped_as_in_a_mixed_batch() -> None:
@@ -62,3 +62,22 @@ def test_the_temperature_kernel_draws_what_the_tensor_path_draws() -> None:
     tensors = sampling.sample(shape_probs(logits, s), [torch.Generator().manual_seed(i) for i in range(rows)])
     assert int((kernel != tensors).sum()) <= 1  # a uniform within float rounding of a boundary
     assert len(set(kernel.tolist())) > 100
+
+
+def test_the_sampling_cache_reuses_tensors_only_for_the_same_parameter_objects() -> None:
+    cache = SamplingCache()
+    a, b = SamplingParams(temperature=0.5, top_p=0.9), SamplingParams(temperature=1.0, top_k=5)
+    first = cache.get([a, b])
+    assert cache.get([a, b]) is first  # the same requests, step after step
+    equal_not_same = SamplingParams(temperature=0.5, top_p=0.9)
+    for rows in ([b, a], [a], [a, b, a], [equal_not_same, b]):
+        got = cache.get(rows)
+        want = SamplingTensors.from_params(rows)
+        assert got is not first
+        assert got.temperature.tolist() == want.temperature.tolist()
+        assert got.top_k.tolist() == want.top_k.tolist() and got.top_p.tolist() == want.top_p.tolist()
+        assert (got.any_top_k, got.any_top_p, got.all_greedy) == (
+            want.any_top_k,
+            want.any_top_p,
+            want.all_greedy,
+        )

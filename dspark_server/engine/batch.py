@@ -53,29 +53,37 @@ def pack(chunks: list[SeqChunk], allocator: PageAllocator) -> PackedBatch:
     if not chunks:
         raise ValueError("cannot pack an empty batch")
     r = len(chunks)
-    lengths = np.empty(r, dtype=np.int64)
-    starts = np.empty(r, dtype=np.int64)
     ids: list[int] = []
-    for i, c in enumerate(chunks):
-        n = len(c.token_ids)
-        if n == 0:
-            raise ValueError("a chunk must add at least one token")
-        lengths[i] = n
-        starts[i] = c.start
+    for c in chunks:
         ids.extend(c.token_ids)
-    kv_lens = starts + lengths
-    slots = allocator.slot_matrix([c.table for c in chunks], kv_lens)
-    q_start = np.cumsum(lengths) - lengths
-    # token t of chunk i sits at position starts[i] + (t - q_start[i])
-    seq = np.repeat(np.arange(r), lengths)
-    positions = starts[seq] + np.arange(len(ids)) - q_start[seq]
-    slot_mapping = slots[seq, positions]
+    if len(ids) == r:  # one token per sequence (decoding): no per-token expansion to do
+        if any(not c.token_ids for c in chunks):
+            raise ValueError("a chunk must add at least one token")
+        lengths = np.ones(r, dtype=np.int64)
+        positions = np.fromiter((c.start for c in chunks), dtype=np.int64, count=r)
+        kv_lens = positions + 1
+        slots = allocator.slot_matrix([c.table for c in chunks], kv_lens)
+        q_start = np.arange(r, dtype=np.int64)
+        slot_mapping = slots[q_start, positions]
+    else:
+        lengths = np.fromiter((len(c.token_ids) for c in chunks), dtype=np.int64, count=r)
+        if not lengths.all():
+            raise ValueError("a chunk must add at least one token")
+        starts = np.fromiter((c.start for c in chunks), dtype=np.int64, count=r)
+        kv_lens = starts + lengths
+        slots = allocator.slot_matrix([c.table for c in chunks], kv_lens)
+        q_start = np.cumsum(lengths) - lengths
+        # token t of chunk i sits at position starts[i] + (t - q_start[i])
+        seq = np.repeat(np.arange(r), lengths)
+        positions = starts[seq] + np.arange(len(ids)) - q_start[seq]
+        slot_mapping = slots[seq, positions]
+    q_lens = tuple(lengths.tolist())
     layout = PagedLayout(
         q_start=torch.from_numpy(q_start),
         q_len=torch.from_numpy(lengths),
-        slots=torch.from_numpy(slots),  # np.where's result: a new contiguous array
+        slots=torch.from_numpy(slots),  # a new contiguous array
         kv_limit=torch.from_numpy(positions + 1),  # a query sees the keys up to its own position
-        q_lens=tuple(lengths.tolist()),
+        q_lens=q_lens,
         kv_lens=tuple(kv_lens.tolist()),
     )
     return PackedBatch(
@@ -84,5 +92,5 @@ def pack(chunks: list[SeqChunk], allocator: PageAllocator) -> PackedBatch:
         slot_mapping=torch.from_numpy(slot_mapping),
         layout=layout,
         offsets=tuple(q_start.tolist()),
-        lengths=tuple(lengths.tolist()),
+        lengths=q_lens,
     )

@@ -27,7 +27,7 @@ from dspark_server.engine.request import (
     SamplingParams,
     Status,
 )
-from dspark_server.engine.sampling import SamplingTensors, sample_from_logits
+from dspark_server.engine.sampling import SamplingCache, sample_from_logits
 from dspark_server.engine.scheduler import Scheduler, SchedulerOutput
 from dspark_server.engine.spec import SpecStepResult, SpeculativeDecoder, build_speculative
 from dspark_server.engine.stats import EngineStats
@@ -62,6 +62,7 @@ class LLMEngine:
         lookahead = self.spec.gamma if self.spec is not None else 0
         self.scheduler = Scheduler(cfg, self.runner.allocator, decode_lookahead=lookahead)
         self.outputs = OutputProcessor(self.tokenizer, self.eos_token_ids)
+        self._sampling = SamplingCache()
         self.stats = EngineStats(kv_total_pages=self.runner.allocator.capacity_pages)
         self.requests: dict[str, Request] = {}
         self._inbox: queue.SimpleQueue[tuple[str, object]] = queue.SimpleQueue()
@@ -124,6 +125,10 @@ class LLMEngine:
                     self._finish(req)
 
     def step(self) -> None:
+        if torch.is_grad_enabled():  # the engine's loops run in inference mode: other callers once a step
+            with torch.inference_mode():
+                self.step()
+            return
         self.process_inbox()
         sched = self.scheduler.schedule()
         self.stats.record_preemptions(len(sched.preempted))
@@ -223,7 +228,7 @@ class LLMEngine:
             return
         tokens = sample_from_logits(
             logits,
-            SamplingTensors.from_params([r.params for r in reqs]),
+            self._sampling.get([r.params for r in reqs]),
             [r.generator for r in reqs],
             [r.noise_key for r in reqs],
         )

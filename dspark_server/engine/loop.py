@@ -7,6 +7,8 @@ import logging
 import threading
 import time
 
+import torch
+
 from dspark_server.engine.admission import AdmissionCounter
 from dspark_server.engine.backend import LoadSnapshot, SpecSnapshot, native_spec_snapshot
 from dspark_server.engine.engine import LLMEngine
@@ -35,6 +37,7 @@ class EngineThread:
         if self._thread.is_alive():
             self._thread.join(timeout)
 
+    @torch.inference_mode()  # once for the thread's life, not per forward (LLMEngine.step)
     def _run(self) -> None:
         while not self._stop.is_set():
             if not self.engine.has_work():

@@ -62,7 +62,6 @@ class ModelRunner:
             impl=self.cfg.attention_impl,
         )
 
-    @torch.inference_mode()
     def forward(
         self, chunks: list[SeqChunk], logits_tail: list[int], capture_layers: tuple[int, ...] = ()
     ) -> ForwardResult:
@@ -71,6 +70,9 @@ class ModelRunner:
         ``logits_tail[i]``: how many of chunk i's last rows need logits (0, 1 for a sampled next
         token, all of them for verification); logits come back in chunk order.
         """
+        if torch.is_grad_enabled():  # (the engine's steps run in inference mode already)
+            with torch.inference_mode():
+                return self.forward(chunks, logits_tail, capture_layers)
         t0 = time.perf_counter()
         batch = pack(chunks, self.allocator)
         logits_rows = tail_rows(batch.offsets, batch.lengths, logits_tail)

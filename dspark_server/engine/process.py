@@ -111,6 +111,8 @@ def main(argv: list[str] | None = None) -> None:
 def serve_engine(cfg: EngineConfig, requests: Connection, reports: Connection) -> None:
     """Load, report ready (or the failure), then serve the pipe until told to stop or until the
     server's end closes."""
+    import torch
+
     from dspark_server.engine.engine import LLMEngine
 
     try:
@@ -125,7 +127,8 @@ def serve_engine(cfg: EngineConfig, requests: Connection, reports: Connection) -
         spec=native_spec_snapshot(engine),
     )
     reports.send(("ready", info))
-    _EngineServer(engine, requests, reports).run()
+    with torch.inference_mode():  # once for the loop's life, not per step (LLMEngine.step)
+        _EngineServer(engine, requests, reports).run()
 
 
 class _EngineServer:

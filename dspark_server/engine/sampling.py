@@ -13,6 +13,7 @@ the same tokens in every speculation mode and at every load (``engine/noise.py``
 
 from __future__ import annotations
 
+import operator
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -21,7 +22,7 @@ import torch
 
 from dspark_server.engine.noise import NoiseKey, keyed_argmax_rows, row_keys
 from dspark_server.engine.request import GREEDY_BELOW, SamplingParams
-from dspark_server.engine.uniforms import draw_uniforms
+from dspark_server.engine.uniforms import draw_one, draw_uniforms
 from dspark_server.models.kernel_library import load_library
 from dspark_server.models.row_ops import row_argmax
 
@@ -68,6 +69,24 @@ class SamplingTensors:
     @property
     def greedy(self) -> torch.Tensor:
         return self.temperature < GREEDY_BELOW
+
+
+class SamplingCache:
+    """The last batch's ``SamplingTensors``, reused while its rows' parameters are the very same
+    objects (a request's ``SamplingParams`` never change): a decoding set stays the same for
+    many steps, and building the tensors cost ~25 us a step at one request (~3% of a plain step
+    on the demo pair)."""
+
+    def __init__(self) -> None:
+        self._params: list[SamplingParams] = []
+        self._tensors: SamplingTensors | None = None
+
+    def get(self, params: list[SamplingParams]) -> SamplingTensors:
+        last, tensors = self._params, self._tensors
+        if tensors is not None and len(last) == len(params) and all(map(operator.is_, last, params)):
+            return tensors
+        self._params, self._tensors = params, SamplingTensors.from_params(params)
+        return self._tensors
 
 
 def shape_probs(logits: torch.Tensor, s: SamplingTensors) -> torch.Tensor:
@@ -150,7 +169,7 @@ def _sample_temperature(
         return None
     x = logits.contiguous()
     temps = temperature.float().contiguous()
-    uniforms = draw_uniforms(generators, 1)[:, 0].contiguous()
+    uniforms = draw_one(generators)
     out = torch.empty(x.shape[0], dtype=torch.long)
     keyed = row_keys(keys or (), 1)
     flags, table = (None, None) if keyed is None else (keyed[0], np.ascontiguousarray(keyed[1][:, 0]))
@@ -159,7 +178,7 @@ def _sample_temperature(
         x.shape[0],
         x.shape[1],
         temps.data_ptr(),
-        uniforms.data_ptr(),
+        uniforms.ctypes.data,
         None if flags is None else flags.ctypes.data,
         None if table is None else table.ctypes.data,
         out.data_ptr(),

@@ -46,3 +46,9 @@ def draw_uniforms(generators: Sequence[torch.Generator], n: int) -> torch.Tensor
     if not generators:
         return torch.zeros(0, n, dtype=torch.float64)
     return torch.from_numpy(np.stack([take(g, n) for g in generators]))
+
+
+def draw_one(generators: Sequence[torch.Generator]) -> np.ndarray:
+    """[R] float64: the next uniform of each row's generator (``draw_uniforms(generators, 1)``
+    as one NumPy vector, for the kernels that read it in place)."""
+    return np.fromiter((take(g, 1)[0] for g in generators), dtype=np.float64, count=len(generators))

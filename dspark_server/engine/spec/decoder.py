@@ -26,7 +26,7 @@ import torch
 from dspark_server.engine.kv_cache import PageAllocator
 from dspark_server.engine.model_runner import ForwardResult, ModelRunner
 from dspark_server.engine.request import Request
-from dspark_server.engine.sampling import SamplingTensors
+from dspark_server.engine.sampling import SamplingCache, SamplingTensors
 from dspark_server.engine.scheduler import ScheduledChunk
 from dspark_server.engine.spec.context_writes import ContextWrites
 from dspark_server.engine.spec.deferred_context import Run
@@ -157,6 +157,7 @@ class SpeculativeDecoder:
         self.planning_table = PlanningTable(planner, live_sps, roofline=overhead is not None)
         self.last_verify_lens: list[int] = []
         self.lessons = HeldLessons()  # held steps' lessons waiting to be filed
+        self._sampling = SamplingCache()
         # Called once per step with every decoding request's round (calibration, evaluation).
         self.round_observers: list[Callable[[RoundRecord], None]] = []
 
@@ -191,7 +192,6 @@ class SpeculativeDecoder:
         self.last_verify_lens = [0] * len(decodes)
         self.context.defer_plain_step(alloc, decodes, positions, prefills, forward)
 
-    @torch.inference_mode()
     def step(
         self,
         runner: ModelRunner,
@@ -204,13 +204,16 @@ class SpeculativeDecoder:
         decodes, which take one plain token each, and its prefill chunks, in the same forward);
         the engine asked ``drafting`` first, a step where nobody drafts is its plain step.
         ``max_draft_tokens`` caps Σℓ: the tokens of the step's budget prefill left."""
+        if torch.is_grad_enabled():  # (the engine's steps run in inference mode already)
+            with torch.inference_mode():
+                return self.step(runner, decodes, prefills, max_draft_tokens, plain)
         if not decodes:
             raise ValueError("a speculative step needs decoding requests (else it is a plain step)")
         t_start = time.perf_counter()
         if self.lessons.has_plain():  # a held drafting step's lessons may wait on
             self.file_lessons()
         plain = list(plain)
-        sampling = SamplingTensors.from_params([r.params for r in decodes])
+        sampling = self._sampling.get([r.params for r in decodes])
         prefill_tokens = sum(c.num_tokens for c in prefills)
         anchor_pos = [r.num_computed for r in decodes]
         plain_runs = [Run(r, r.num_computed) for r in plain]
