@@ -32,6 +32,7 @@ def test_gate_measures_both_then_follows_the_faster_and_explores() -> None:
         explore_every=4,
         max_explore_interval=4,
         max_explore_overhead=0.5,
+        forced_explore_overhead=0.5,  # (the cap binds: it is what this test is about)
         min_samples=1,
         prior_samples=0,
         request_smoothing=0.5,
@@ -65,6 +66,7 @@ def test_one_hard_request_does_not_switch_drafting_off_for_the_next() -> None:
         request_smoothing=0.5,
         smoothing=0.05,
         max_explore_interval=64,
+        forced_explore_overhead=0.5,  # (the cap binds: it is what this test is about)
         prior_samples=0,
         explore_run=1,
     )
@@ -87,30 +89,34 @@ def test_costly_exploration_is_rare_but_bounded() -> None:
     # a draft step takes 6x a plain step and emits 1.2x its tokens: each exploring step loses
     # 6 * (1 - 0.2) = 4.8 plain-step times, so a 2% budget allows one every 241 steps, and at a
     # rate ratio of 0.198 the odds (0.198 / 0.9)² = 0.048 stretch it to 4,980; the interval cap
-    # (256) keeps the forecast fresh at a bounded cost
+    # (256) keeps the forecast fresh, but never at more than ``forced_explore_overhead`` of the
+    # time: at 0.5% that is one exploration every 963 steps (at 2%, 241: the cap, 256, binds)
     # (explore_fraction 1: no partial exploration, whole drafting steps only)
     ids = [f"r{i}" for i in range(64)]
-    gate = DraftGate(
-        explore_every=4,
-        max_explore_interval=256,
-        min_samples=1,
-        explore_fraction=1.0,
-        prior_samples=0,
-        explore_run=1,
-        max_explore_overhead=0.02,
-        odds_power=2.0,
-    )
-    drafts_all(gate, ids)
-    gate.record(ids, True, [1] * 52 + [2] * 12, 0.060)  # 76 tokens, 1.1875 per request
-    drafts_all(gate, ids)
-    gate.record(ids, False, [1] * 64, 0.010)
     lost = 0.060 * (1 - (76 / 0.060) / (64 / 0.010))  # 4.8 plain steps' time
-    assert gate.explore_interval(lost, 0.010) == 241
-    odds = gate.exploration_odds(76 / 0.060, 64 / 0.010)
-    assert odds == pytest.approx((76 / 0.060 / (64 / 0.010) / 0.9) ** 2)
-    assert gate.explore_interval(lost, 0.010, 0.02 * odds) == 256
-    picks = [drafts_all(gate, ids) for _ in range(512)]
-    assert picks.count(True) == 2 and picks[255] and picks[511]
+    for forced, every in ((0.005, 963), (0.02, 256)):
+        gate = DraftGate(
+            explore_every=4,
+            max_explore_interval=256,
+            min_samples=1,
+            explore_fraction=1.0,
+            prior_samples=0,
+            explore_run=1,
+            max_explore_overhead=0.02,
+            odds_power=2.0,
+            forced_explore_overhead=forced,
+        )
+        drafts_all(gate, ids)
+        gate.record(ids, True, [1] * 52 + [2] * 12, 0.060)  # 76 tokens, 1.1875 per request
+        drafts_all(gate, ids)
+        gate.record(ids, False, [1] * 64, 0.010)
+        assert gate.explore_interval(lost, 0.010) == 241
+        odds = gate.exploration_odds(76 / 0.060, 64 / 0.010)
+        assert odds == pytest.approx((76 / 0.060 / (64 / 0.010) / 0.9) ** 2)
+        assert gate.explore_interval(lost, 0.010, 0.02 * odds) == 256  # (not an exploration's)
+        assert gate.explore_interval(lost, 0.010, 0.02 * odds, forced=True) == every
+        picks = [drafts_all(gate, ids) for _ in range(2 * every)]
+        assert picks.count(True) == 2 and picks[every - 1] and picks[2 * every - 1]
     # near break-even the whole budget is spent: a rate at 0.9x plain's has odds 1
     assert gate.exploration_odds(0.9, 1.0) == pytest.approx(1.0) and gate.exploration_odds(0.45, 1.0) == 0.25
     # by default the odds fall with the fourth power: at temperature 1 on the demo pair, one
@@ -119,6 +125,8 @@ def test_costly_exploration_is_rare_but_bounded() -> None:
     capped = DraftGate(explore_every=4, max_explore_interval=64)
     assert capped.explore_interval(lost, 0.010) == 64
     assert capped.explore_interval(0.0, 0.010) == 4
+    with pytest.raises(ValueError, match="forced_explore_overhead"):
+        DraftGate(forced_explore_overhead=0.0)
 
 
 def test_while_plain_is_faster_a_few_requests_explore_drafting_for_all() -> None:
@@ -512,7 +520,14 @@ def test_warm_up_and_explorations_wait_for_a_step_where_every_request_can_draft(
     that drafted would draft for a few requests only: a partial step, which measures neither a
     drafting step nor a plain one. The warm-up and whole-step explorations wait for room."""
     ids = [f"r{i}" for i in range(16)]
-    gate = DraftGate(min_samples=2, explore_every=2, max_explore_interval=8, prior_samples=0, explore_run=1)
+    gate = DraftGate(
+        min_samples=2,
+        explore_every=2,
+        max_explore_interval=8,
+        forced_explore_overhead=0.5,
+        prior_samples=0,
+        explore_run=1,
+    )
     for _ in range(20):  # ramping up: every step carries a prompt chunk
         assert gate.choose(ids, room=5) == []
         gate.record_plain(16, 0.010)

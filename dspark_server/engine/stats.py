@@ -19,6 +19,7 @@ Observation names (the ``name`` passed to observers) and their units:
 
 from __future__ import annotations
 
+import functools
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -154,6 +155,7 @@ class EngineStats:
         self.observe("acceptance_length", emitted)
 
 
+@functools.cache  # (every step asks: the label is built once per load)
 def load_bucket(num_requests: int) -> str:
     """Power-of-two bucket label of a load: "1", "2-3", "4-7", ..."""
     lo = 1 << (max(1, num_requests).bit_length() - 1)

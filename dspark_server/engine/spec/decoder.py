@@ -166,13 +166,17 @@ class SpeculativeDecoder:
         without a gate). Asked once per step: none sends the step down the engine's plain path,
         then ``keep_plain``; the others go to ``step`` as its plain decodes. ``room``: the draft
         tokens the step's budget leaves (at most that many requests can draft)."""
-        if not decodes or self.gate is None:
+        gate = self.gate
+        if not decodes or gate is None:
             return list(decodes)
-        ids = [r.request_id for r in decodes]
-        if self.lessons and not self.gate.holds(ids):
-            self.file_lessons()  # the choice reads them
-        regimes = [r.params.temperature for r in decodes]
-        return [decodes[i] for i in self.gate.choose(ids, regimes, room)]
+        ids = tuple([r.request_id for r in decodes])
+        if gate.holds(ids):  # a held choice reads no estimate: no lessons, no regimes
+            chosen = gate.choose(ids)
+        else:
+            if self.lessons:
+                self.file_lessons()  # the choice reads them
+            chosen = gate.choose(ids, [r.params.temperature for r in decodes], room)
+        return [decodes[i] for i in chosen] if chosen else []
 
     def file_lessons(self) -> None:
         """File the held steps' waiting lessons (``HeldLessons``)."""
