@@ -351,25 +351,29 @@ def test_starting_to_draft_pays_the_switch_staying_does_not() -> None:
     assert drafts_all(gate, ["b"]) is True
 
 
-def test_from_plain_steps_drafting_must_win_by_the_margin_once_drafting_it_need_only_win() -> None:
+def test_from_plain_steps_drafting_must_win_by_the_margin_once_drafting_it_stays_near_even() -> None:
     # near break-even the choice would flip on noise, and every flip into drafting pays the
-    # switch: entering needs enter_margin (1.15) over plain steps' rate, staying needs only to win
+    # switch: entering needs enter_margin (1.15) over plain steps' rate, staying needs
+    # stay_ratio (0.95) of it
     gate = DraftGate(min_samples=1, smoothing=1.0, request_smoothing=1.0, explore_run=3, prior_samples=0)
-    assert gate.enter_margin == 1.15
+    assert (gate.enter_margin, gate.stay_ratio) == (1.15, 0.95)
     bucket = gate._bucket(1)
     bucket.draft_seconds.update(0.004, 1.0)
     bucket.plain_seconds.update(0.001, 1.0)
-    for tokens, from_plain, from_drafting in ((4.4, False, True), (4.8, True, True), (3.9, False, False)):
-        gate._forecast["b"] = tokens  # 4.4 per 4 ms: 1.1x plain; 4.8: 1.2x; 3.9: behind
+    cases = ((4.4, False, True), (4.8, True, True), (3.9, False, True), (3.7, False, False))
+    for tokens, from_plain, from_drafting in cases:
+        gate._forecast["b"] = tokens  # 4.4 per 4 ms: 1.1x plain; 4.8: 1.2x; 3.9: 0.975x; 3.7: 0.925x
         gate._hold = None  # (a forecast moves through ``record``, which ends a held choice)
         bucket.since_plain = bucket.since_explore = 0  # (no exploration is due)
         gate._last_drafted, gate._run_left = False, 0
         assert drafts_all(gate, ["b"]) is from_plain, tokens
         bucket.since_plain = bucket.since_explore = 0
-        gate._last_drafted, gate._run_left = True, 0
+        gate._last_drafted, gate._run_left, gate._hold = True, 0, None
         assert drafts_all(gate, ["b"]) is from_drafting, tokens
     with pytest.raises(ValueError):
         DraftGate(enter_margin=0.9)
+    with pytest.raises(ValueError, match="stay_ratio"):
+        DraftGate(stay_ratio=1.1)
 
 
 def test_plain_steps_are_explored_only_when_the_plain_step_time_is_stale() -> None:

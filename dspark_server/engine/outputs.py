@@ -24,6 +24,8 @@ class OutputProcessor:
         if detok is None:
             detok = self._detok[req.request_id] = IncrementalDetokenizer(self.tokenizer, req.prompt_ids)
         p = req.params
+        if not p.stop:
+            return self._append_ids(req, tokens, detok)
         kept = 0
         stopped_by_string = False
         for tok in tokens:
@@ -41,6 +43,28 @@ class OutputProcessor:
             if req.finish_reason is not None:
                 break
         if req.finish_reason is not None and not stopped_by_string:
+            req.output_text += detok.flush()
+        return kept
+
+    def _append_ids(self, req: Request, tokens: list[int], detok: IncrementalDetokenizer) -> int:
+        """``append`` for a request without stop strings: its stop conditions read token ids only,
+        so the tokens it keeps are known first and detokenized in one call (a speculative round
+        emits several; each detokenizer call decodes twice)."""
+        p = req.params
+        room = p.max_tokens - len(req.output_ids)
+        kept = 0
+        for tok in tokens:
+            kept += 1
+            if tok in p.stop_token_ids or (not p.ignore_eos and tok in self.eos_token_ids):
+                req.finish_reason = "stop"
+                break
+            if kept >= room:
+                req.finish_reason = "length"
+                break
+        new = tokens[:kept] if kept < len(tokens) else tokens
+        req.output_ids.extend(new)
+        req.output_text += detok.push(new)
+        if req.finish_reason is not None:
             req.output_text += detok.flush()
         return kept
 

@@ -53,13 +53,19 @@ plain step after every four or five drafting steps, and each also made the next 
 cold one.
 
 From plain steps, drafting is entered only when its forecast beats plain steps' rate by
-``enter_margin`` (1.15); once drafting, it stays while it wins at all. Near break-even the
-estimates' noise flips the choice back and forth, and every flip into drafting pays the switch
-(the put-off context writes and a cold step). At 64 greedy requests in-process, where the
-forecast put drafting about 10% ahead, the margin took dspark mode from 0.92x to 1.01x plain
-decoding's throughput (medians of three interleaved rounds: ``python -m tools.churn_ab
---concurrency 64 --requests 128 --variants off dspark no-margin --prompts
-../shared/prompts/humaneval.jsonl --threads 1``).
+``enter_margin`` (1.15); once drafting, it stays while its forecast is at least ``stay_ratio``
+(0.95) of plain steps' rate. Near break-even the estimates' noise flips the choice back and
+forth, and every flip into drafting pays the switch (the put-off context writes and a cold
+step). At 64 greedy requests in-process, where the forecast put drafting about 10% ahead, the
+entry margin took dspark mode from 0.92x to 1.01x plain decoding's throughput (medians of three
+interleaved rounds: ``python -m tools.churn_ab --concurrency 64 --requests 128 --variants off
+dspark no-margin --prompts ../shared/prompts/humaneval.jsonl --threads 1``). At one request,
+temperature 0, through the external client, drafting won by only ~3-15% (fixed mode against
+plain decoding), one poor drafting step dropped a forecast below plain steps' rate, and only an
+exploration brought drafting back: staying down to 0.95 instead of 1.0 took dspark / off from
+1.13 to 1.16 on code and from 0.97 to 1.02 on chat (medians of three interleaved rounds each,
+``MODES="off dspark fixed" CONCS=1 TEMPS=0 tools/serve_bench_interleaved.sh``, the two builds
+one after the other).
 
 A clear choice is held for the next steps of the same requests (at most ``max_hold``), so those
 steps skip the full choice: plain while drafting loses by ``hold_margin`` (up to the step before
@@ -233,6 +239,7 @@ class DraftGate:
         forecast_half_life: float = 16.0,
         explore_run: int = 3,
         enter_margin: float = 1.15,
+        stay_ratio: float = 0.95,
         max_hold: int = 8,
         hold_margin: float = 1.1,
         refresh_overhead: float = 0.005,
@@ -251,6 +258,8 @@ class DraftGate:
             raise ValueError("explore_run must be >= 1")
         if not enter_margin >= 1.0:
             raise ValueError("enter_margin must be >= 1")
+        if not 0.0 < stay_ratio <= 1.0:
+            raise ValueError("stay_ratio must be in (0, 1]")
         if max_hold < 0 or not hold_margin >= 1.0:
             raise ValueError("max_hold must be >= 0 and hold_margin >= 1")
         if not 0.0 < refresh_overhead < 1.0:
@@ -272,6 +281,7 @@ class DraftGate:
         self.forecast_half_life = forecast_half_life
         self.explore_run = explore_run
         self.enter_margin = enter_margin
+        self.stay_ratio = stay_ratio
         self.max_hold = max_hold
         self.hold_margin = hold_margin
         self.refresh_overhead = refresh_overhead
@@ -537,11 +547,11 @@ class DraftGate:
         entry_rate = draft_rate if self._last_drafted else tokens / (draft_s + switch / self.explore_run)
         # from plain steps, drafting must win by enter_margin: near break-even, the choice flips
         # on noise and each flip pays the switch
-        bar = plain_rate if self._last_drafted else plain_rate * self.enter_margin
+        bar = plain_rate * (self.stay_ratio if self._last_drafted else self.enter_margin)
         if entry_rate >= bar:  # exploring a plain step also pays the switch back
             # it only refreshes the load's plain step time (a plain step emits one token for
             # any request): due when no plain step measured it for the interval
-            lost = plain_s * (1.0 - plain_rate / draft_rate) + switch
+            lost = plain_s * max(0.0, 1.0 - plain_rate / draft_rate) + switch
             refresh_due = self.explore_interval(lost, draft_s, self.refresh_overhead)
             if b.since_plain >= refresh_due:
                 b.since_explore = b.since_plain = 0
