@@ -95,6 +95,12 @@ MUTATIONS: tuple[Mutation, ...] = (
                 "            if req.finish_reason is not None:\n                break\n",
                 "            if req.finish_reason is not None and len(tokens) == 1:\n                break\n",
             ),
+            Edit(  # requests without stop strings take the ids-only path
+                "dspark_server/engine/outputs.py",
+                '                req.finish_reason = "stop"\n                break\n',
+                '                req.finish_reason = "stop"\n'
+                "                if len(tokens) == 1:\n                    break\n",
+            ),
         ),
         (f"{DIST}[fixed]",),
     ),
@@ -123,6 +129,11 @@ MUTATIONS: tuple[Mutation, ...] = (
                 "dspark_server/engine/outputs.py",
                 "elif len(req.output_ids) >= p.max_tokens:",
                 "elif len(req.output_ids) >= p.max_tokens and kept == len(tokens):",
+            ),
+            Edit(  # requests without stop strings take the ids-only path
+                "dspark_server/engine/outputs.py",
+                "            if kept >= room:\n",
+                "            if kept >= room and kept == len(tokens):\n",
             ),
         ),
         (f"{DIST}[fixed]",),
