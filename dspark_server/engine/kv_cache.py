@@ -22,7 +22,7 @@ class PageTable:
     # the slot of every position its pages hold (the first len(pages) * page_size entries are
     # valid; kept by the allocator as pages come and go): a step reads its slots as a slice
     # instead of rebuilding them from the page list (at one request of ~600 positions that took
-    # ~40 us a step, ~5% of a plain step on the demo pair)
+    # ~5% of a plain step on the demo pair in a py-spy record)
     slots: np.ndarray = field(default_factory=lambda: np.empty(0, dtype=np.int64), repr=False)
 
 

@@ -74,8 +74,8 @@ class SamplingTensors:
 class SamplingCache:
     """The last batch's ``SamplingTensors``, reused while its rows' parameters are the very same
     objects (a request's ``SamplingParams`` never change): a decoding set stays the same for
-    many steps, and building the tensors cost ~25 us a step at one request (~3% of a plain step
-    on the demo pair)."""
+    many steps, and building the tensors took ~3% of a plain step at one request on the demo
+    pair (a py-spy record)."""
 
     def __init__(self) -> None:
         self._params: list[SamplingParams] = []

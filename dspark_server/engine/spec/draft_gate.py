@@ -428,8 +428,9 @@ class DraftGate:
         """The most steps between two explorations, whatever the odds: ``max_explore_interval``,
         or more where explorations that often would lose more than ``forced_explore_overhead``
         of the time. At 16 requests on the demo pair a whole drafting step after plain ones
-        (the put-off context writes of every request's prompt) cost ~14 ms against ~1.5 ms for
-        a plain step, and an exploration run of them every 1024 steps took ~2-3% of the time."""
+        (the put-off context writes of every request's prompt) cost about ten plain steps' time
+        (a scratch trace of step kinds), and an exploration run of them every 1024 steps took a
+        few per cent of the time."""
         if not (lost > 0 and best_seconds > 0):
             return self.max_explore_interval
         floor = math.ceil(lost / (self.forced_explore_overhead * best_seconds))
