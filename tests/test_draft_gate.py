@@ -114,7 +114,7 @@ def test_costly_exploration_is_rare_but_bounded() -> None:
         odds = gate.exploration_odds(76 / 0.060, 64 / 0.010)
         assert odds == pytest.approx((76 / 0.060 / (64 / 0.010) / 0.9) ** 2)
         assert gate.explore_interval(lost, 0.010, 0.02 * odds) == 256  # (not an exploration's)
-        assert gate.explore_interval(lost, 0.010, 0.02 * odds, forced=True) == every
+        assert gate.explore_interval(lost, 0.010, 0.02 * odds, gate.forced_interval(lost, 0.010)) == every
         picks = [drafts_all(gate, ids) for _ in range(2 * every)]
         assert picks.count(True) == 2 and picks[every - 1] and picks[2 * every - 1]
     # near break-even the whole budget is spent: a rate at 0.9x plain's has odds 1

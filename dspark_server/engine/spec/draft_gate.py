@@ -414,15 +414,15 @@ class DraftGate:
         return fallback
 
     def explore_interval(
-        self, lost: float, best_seconds: float, budget: float | None = None, forced: bool = False
+        self, lost: float, best_seconds: float, budget: float | None = None, cap: int | None = None
     ) -> int:
         """Steps between explorations so that the time they lose (an exploring step's time minus
         what the best choice needs for the same tokens) stays within the budget (a fraction of
-        the time; ``max_explore_overhead`` unless given), at most ``max_explore_interval`` steps
-        apart, or, for an exploration (``forced``), at most ``forced_interval`` apart."""
+        the time; ``max_explore_overhead`` unless given), at most ``cap`` steps apart
+        (``max_explore_interval`` unless given; an exploration's is its ``forced_interval``)."""
         steps = lost / ((self.max_explore_overhead if budget is None else budget) * best_seconds)
-        cap = self.forced_interval(lost, best_seconds) if forced else self.max_explore_interval
-        return min(cap, max(self.explore_every, math.ceil(steps)))
+        most = self.max_explore_interval if cap is None else cap
+        return min(most, max(self.explore_every, math.ceil(steps)))
 
     def forced_interval(self, lost: float, best_seconds: float) -> int:
         """The most steps between two explorations, whatever the odds: ``max_explore_interval``,
@@ -578,8 +578,9 @@ class DraftGate:
             return self._explore_drafting(everyone)
         near = draft_rate >= self.near_ratio * plain_rate
         odds = self.exploration_odds(draft_rate, plain_rate)
-        interval = self.explore_interval(lost, plain_s, self.max_explore_overhead * odds, forced=True)
-        due = interval if near or few == n else self.forced_interval(lost, plain_s)
+        forced = self.forced_interval(lost, plain_s)
+        interval = self.explore_interval(lost, plain_s, self.max_explore_overhead * odds, forced)
+        due = interval if near or few == n else forced
         if b.since_explore >= due and whole:
             b.since_explore = b.since_partial = 0
             return self._explore_drafting(everyone)
@@ -590,9 +591,9 @@ class DraftGate:
             if b.since_explore < self.explore_every and self._unsure_newcomer(request_ids, regimes):
                 hold = min(hold, self.explore_every - b.since_explore - 1)
             return self._hold_plain(request_ids, b, hold)
-        partial = b.partial_lost.value if b.partial_lost.count else lost * few / n
+        partial = max(0.0, b.partial_lost.value if b.partial_lost.count else lost * few / n)
         budget = self.partial_explore_overhead * odds
-        partial_due = self.explore_interval(max(0.0, partial), plain_s, budget, forced=True)
+        partial_due = self.explore_interval(partial, plain_s, budget, self.forced_interval(partial, plain_s))
         if b.since_partial < partial_due:
             return self._hold_plain(request_ids, b, min(hold, partial_due - b.since_partial - 1))
         b.since_partial = 0
