@@ -19,7 +19,7 @@ import torch
 from dspark_server.config import EngineConfig
 from dspark_server.engine.admission import validate_prompt
 from dspark_server.engine.batch import SeqChunk
-from dspark_server.engine.model_runner import ModelRunner
+from dspark_server.engine.model_runner import ModelRunner, inference_mode
 from dspark_server.engine.outputs import OutputProcessor
 from dspark_server.engine.request import (
     Request,
@@ -124,11 +124,8 @@ class LLMEngine:
                     req.finish_reason = "abort"
                     self._finish(req)
 
+    @inference_mode
     def step(self) -> None:
-        if torch.is_grad_enabled():  # the engine's loops run in inference mode: other callers once a step
-            with torch.inference_mode():
-                self.step()
-            return
         self.process_inbox()
         sched = self.scheduler.schedule()
         self.stats.record_preemptions(len(sched.preempted))

@@ -98,15 +98,13 @@ class PageAllocator:
         """[R, max(lengths)] int64: the slots of positions 0 .. lengths[r] - 1 of table r, padded
         with slot 0 (page 0, never handed out); the pages must already be reserved. NumPy: at
         one request of ~600 positions this is a few microseconds, the tensor ops ~50."""
-        ps = self.page_size
         counts = lengths.tolist()
         if len(counts) == 1:  # one sequence: its slots, as they are (a copy: the table changes)
             self._check_reserved(tables[0], counts[0])
             return tables[0].slots[None, : counts[0]].copy()
         out = np.zeros((len(counts), max(counts, default=0)), dtype=np.int64)
         for i, (table, n) in enumerate(zip(tables, counts, strict=True)):
-            if n > len(table.pages) * ps:
-                self._check_reserved(table, n)
+            self._check_reserved(table, n)
             out[i, :n] = table.slots[:n]
         return out
 

@@ -24,7 +24,7 @@ import numpy as np
 import torch
 
 from dspark_server.engine.kv_cache import PageAllocator
-from dspark_server.engine.model_runner import ForwardResult, ModelRunner
+from dspark_server.engine.model_runner import ForwardResult, ModelRunner, inference_mode
 from dspark_server.engine.request import Request
 from dspark_server.engine.sampling import SamplingCache, SamplingTensors
 from dspark_server.engine.scheduler import ScheduledChunk
@@ -196,6 +196,7 @@ class SpeculativeDecoder:
         self.last_verify_lens = [0] * len(decodes)
         self.context.defer_plain_step(alloc, decodes, positions, prefills, forward)
 
+    @inference_mode
     def step(
         self,
         runner: ModelRunner,
@@ -208,9 +209,6 @@ class SpeculativeDecoder:
         decodes, which take one plain token each, and its prefill chunks, in the same forward);
         the engine asked ``drafting`` first, a step where nobody drafts is its plain step.
         ``max_draft_tokens`` caps Σℓ: the tokens of the step's budget prefill left."""
-        if torch.is_grad_enabled():  # (the engine's steps run in inference mode already)
-            with torch.inference_mode():
-                return self.step(runner, decodes, prefills, max_draft_tokens, plain)
         if not decodes:
             raise ValueError("a speculative step needs decoding requests (else it is a plain step)")
         t_start = time.perf_counter()
