@@ -27,6 +27,9 @@ class ScriptedGate(DraftGate):
         super().__init__()
         self._pattern = itertools.cycle(pattern)
 
+    def holds(self, request_ids: Sequence[str]) -> bool:
+        return True  # a scripted choice reads no estimate: plain steps wait to be filed in batches
+
     def choose(
         self, request_ids: Sequence[str], regimes: Sequence[float] | None = None, room: int | None = None
     ) -> list[int]:
@@ -64,15 +67,15 @@ def _run(
             logits.append(drafts.confidence_logits.clone())
         return observe(decodes, drafts, plan, outcome, *rest)
 
-    keep = spec.keep_plain  # where a plain step defers its writes
+    after_plain = spec.after_plain  # where a plain step's writes wait, then are put off
 
     def after_keep(alloc, decodes, *rest):  # type: ignore[no-untyped-def]
         nonlocal most
-        keep(alloc, decodes, *rest)
-        most = max(most, len(spec.deferred))
+        after_plain(alloc, decodes, *rest)
+        most = max(most, len(spec.deferred) + len(spec.lessons.plain))  # put off, filed or not
 
     spec._observe = spy  # type: ignore[method-assign]
-    spec.keep_plain = after_keep  # type: ignore[method-assign]
+    spec.after_plain = after_keep  # type: ignore[method-assign]
     rng = random.Random(3)
     prompts = [[rng.randrange(4, 32) for _ in range(rng.randrange(3, 30))] for _ in range(6)]
     col = generate(engine, prompts, [SamplingParams(temperature=0, max_tokens=80)] * 6)
@@ -183,6 +186,7 @@ def test_a_partial_step_writes_the_drafting_requests_context_and_puts_off_the_ot
     engine.step()  # prefill: every row put off
     engine.step()  # a plain step: more put off
     reqs = [engine.requests[str(i)] for i in range(4)]
+    spec.file_lessons()  # plain steps' rows wait to be put off in batches: file them to look
     assert [spec.deferred.pending(r) for r in reqs] == [5, 5, 5, 5]
     engine.step()  # "even": requests 0 and 2 draft
     assert [spec.deferred.pending(r) for r in reqs] == [0, 6, 0, 6]

@@ -386,7 +386,7 @@ def _engine_holding(pair: tuple[Path, Path], drafting: bool) -> tuple[LLMEngine,
 
     def spy_choose(ids: list[str], regimes: list[float] | None, whole: bool) -> list[int]:
         lessons = spec.lessons
-        waiting_at_full_choice.append(len(lessons.steps) + len(lessons.outside) + len(lessons.drafts))
+        waiting_at_full_choice.append(len(lessons.plain) + len(lessons.outside) + len(lessons.drafts))
         if gate._bucket(len(ids)).measured(gate.min_samples):
             gate._steps += 1
             return hold(ids, gate._bucket(len(ids)), 8)
@@ -410,10 +410,17 @@ def test_held_plain_steps_teach_the_gate_before_its_next_full_choice(pair: tuple
         filed.append(n)
         record_plain(n, seconds)
 
+    record_plain_many = gate.record_plain_many  # a held run of plain steps is filed in one call
+
+    def spy_plain_many(n: int, seconds: list[float]) -> None:
+        filed.extend([n] * len(seconds))
+        record_plain_many(n, seconds)
+
     gate.record_plain = spy_plain  # type: ignore[method-assign]
+    gate.record_plain_many = spy_plain_many  # type: ignore[method-assign]
     # decode-only plain forwards also time the live SPS table
     assert spec.live_sps is not None
-    live_record, keep_plain, file_lessons = spec.live_sps.record, spec.keep_plain, spec.file_lessons
+    live_record, after_plain, file_lessons = spec.live_sps.record, spec.after_plain, spec.file_lessons
     timed: list[int] = []  # forwards the live table timed while the plain lessons were filed
     decode_only: list[int] = []
     filing = [False]
@@ -423,18 +430,26 @@ def test_held_plain_steps_teach_the_gate_before_its_next_full_choice(pair: tuple
             timed.append(batch_tokens)
         return live_record(batch_tokens, seconds)
 
-    def spy_file() -> None:
+    def spy_file(alloc: object = None) -> None:
         filing[0] = True
-        file_lessons()
+        file_lessons(alloc)  # type: ignore[arg-type]
         filing[0] = False
 
-    def spy_keep(alloc: object, decodes: list, positions: list, prefills: list, forward: object) -> None:
+    def spy_after(alloc: object, decodes: list, positions: list, prefills: list, *rest: object) -> None:
         if decodes and not prefills:
             decode_only.append(len(decodes))
-        keep_plain(alloc, decodes, positions, prefills, forward)  # type: ignore[arg-type]
+        after_plain(alloc, decodes, positions, prefills, *rest)  # type: ignore[arg-type]
+
+    live_record_many = spec.live_sps.record_many
+
+    def spy_live_many(batch_tokens: int, seconds: list[float]) -> None:
+        if filing[0]:
+            timed.extend([batch_tokens] * len(seconds))
+        live_record_many(batch_tokens, seconds)
 
     spec.live_sps.record = spy_live  # type: ignore[method-assign]
-    spec.keep_plain = spy_keep  # type: ignore[method-assign]
+    spec.live_sps.record_many = spy_live_many  # type: ignore[method-assign]
+    spec.after_plain = spy_after  # type: ignore[method-assign]
     spec.file_lessons = spy_file  # type: ignore[method-assign]
     plain_steps = engine.stats.spec_steps_by_choice
     generate(engine, [[5, 6, 7], [8, 9]], [SamplingParams(temperature=0, max_tokens=60)] * 2)

@@ -147,7 +147,7 @@ class LLMEngine:
         if not self.has_work():  # the loop goes idle: the time until the next step is not its cost
             self._decode_step_end = None
             if self.spec is not None:
-                self.spec.file_lessons()
+                self.spec.file_lessons(self.runner.allocator)
 
     def _run(self, sched: SchedulerOutput) -> None:
         now = time.monotonic()
@@ -176,16 +176,15 @@ class LLMEngine:
         capture = spec.drafter.capture_layers if spec is not None else ()
         result = self.runner.forward(seq_chunks, tail, capture_layers=capture)
         self.stats.record_batch(result.batch.num_tokens, result.seconds)
-        if spec is not None:
-            spec.keep_plain(self.runner.allocator, sched.decodes, positions, sched.prefills, result)
         completing = [c.request for c in sched.prefills if c.completes]
         self._sample_next(sched.decodes + completing, result.output.logits)
-        if spec is not None and sched.decodes:
+        if spec is not None:
             ended = time.perf_counter()
             seconds = ended - t0
-            self._decode_step_end = (len(sched.decodes), False, ended)
-            spec.record_plain(sched.decodes, result, sum(c.num_tokens for c in sched.prefills), seconds)
-            self.stats.record_spec_step(len(sched.decodes), "plain", None, seconds)
+            spec.after_plain(self.runner.allocator, sched.decodes, positions, sched.prefills, result, seconds)
+            if sched.decodes:
+                self._decode_step_end = (len(sched.decodes), False, ended)
+                self.stats.record_spec_step(len(sched.decodes), "plain", None, seconds)
 
     def _draft_room(self, sched: SchedulerOutput) -> int:
         """The draft tokens this step's budget can still verify, after every decode's anchor and

@@ -12,6 +12,7 @@ import math
 import statistics
 import threading
 from collections import deque
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -95,6 +96,18 @@ class LiveSpsTable:
             self._windows[idx].append(float(step_seconds))
             self._cached = None
         return True
+
+    def record_many(self, batch_tokens: int, step_seconds: Sequence[float]) -> None:
+        """``record`` for steps of the same batch size, in order (one lock, one lookup)."""
+        if not self._enabled or batch_tokens < 1:
+            return
+        kept = [float(x) for x in step_seconds if math.isfinite(x) and x > 0]
+        if not kept:
+            return
+        idx = self._base.probe_index(batch_tokens)
+        with self._lock:
+            self._windows[idx].extend(kept)
+            self._cached = None
 
     def reset(self) -> None:
         with self._lock:

@@ -41,22 +41,6 @@ class ContextWrites:
         self.pool = pool
         self.deferred = DeferredContext()  # drafter-context writes put off by plain steps
 
-    def defer_plain_step(
-        self,
-        alloc: PageAllocator,
-        decodes: Sequence[Request],
-        positions: Sequence[int],
-        prefills: Sequence[ScheduledChunk],
-        forward: ForwardResult,
-    ) -> None:
-        """A plain step's rows (one per decode, then the prefill chunks') are put off, so that a
-        plain step in dspark mode costs what a plain step costs."""
-        hidden = forward.output.hidden
-        assert hidden is not None
-        chunks = [Run(c.request, c.start, c.num_tokens) for c in prefills] if prefills else []
-        if (decodes or chunks) and self.deferred.defer(chunks, hidden, decodes, positions):
-            self.catch_up(alloc)  # the buffer is full
-
     def keep_accepted(
         self,
         alloc: PageAllocator,

@@ -32,7 +32,7 @@ from dspark_server.engine.spec.context_writes import ContextWrites
 from dspark_server.engine.spec.deferred_context import Run
 from dspark_server.engine.spec.draft_gate import DraftGate
 from dspark_server.engine.spec.drafting import Drafts, merge_drafts, sample_drafts
-from dspark_server.engine.spec.held_lessons import HeldLessons
+from dspark_server.engine.spec.held_lessons import BATCH, HeldLessons, PlainStep
 from dspark_server.engine.spec.lookup import PromptLookup
 from dspark_server.engine.spec.rounds import RoundRecord
 from dspark_server.engine.spec.sps_refresh import PlanningTable
@@ -155,8 +155,10 @@ class SpeculativeDecoder:
         self.overhead = overhead  # None: price steps by SPS(B) alone, as the method doc does
         self.lookup = lookup  # None: the drafter drafts for every request
         self.planning_table = PlanningTable(planner, live_sps, roofline=overhead is not None)
-        self.last_verify_lens: list[int] = []
-        self.lessons = HeldLessons()  # held steps' lessons waiting to be filed
+        self.last_verify_lens: list[int] = []  # the last drafting step's, per decoding request
+        self.lessons = HeldLessons()  # held steps' lessons (and plain steps' rows) waiting to be filed
+        self._catch_up_due = False  # filed rows reached the backlog's bound: catch up at the next step
+        self._file_at = 1  # plain steps waiting that make a batch (set at each filing)
         self._sampling = SamplingCache()
         # Called once per step with every decoding request's round (calibration, evaluation).
         self.round_observers: list[Callable[[RoundRecord], None]] = []
@@ -164,7 +166,7 @@ class SpeculativeDecoder:
     def drafting(self, decodes: list[Request], room: int | None = None) -> list[Request]:
         """The decoding requests that draft this step (the draft gate's choice; all of them,
         without a gate). Asked once per step: none sends the step down the engine's plain path,
-        then ``keep_plain``; the others go to ``step`` as its plain decodes. ``room``: the draft
+        then ``after_plain``; the others go to ``step`` as its plain decodes. ``room``: the draft
         tokens the step's budget leaves (at most that many requests can draft)."""
         gate = self.gate
         if not decodes or gate is None:
@@ -178,23 +180,49 @@ class SpeculativeDecoder:
             chosen = gate.choose(ids, [r.params.temperature for r in decodes], room)
         return [decodes[i] for i in chosen] if chosen else []
 
-    def file_lessons(self) -> None:
-        """File the held steps' waiting lessons (``HeldLessons``)."""
-        self.lessons.replay(self.gate, self.overhead, self.live_sps)
+    def file_lessons(self, alloc: PageAllocator | None = None) -> None:
+        """File the held steps' waiting lessons and put-off rows (``HeldLessons``); where those
+        rows fill the drafter-context backlog, it is caught up now (with ``alloc``), else at the
+        next plain step."""
+        if self.lessons.replay(self.gate, self.overhead, self.live_sps, self.deferred):
+            self._catch_up_due = True
+        if self._catch_up_due and alloc is not None:
+            self._catch_up_due = False
+            self.context.catch_up(alloc)
+        # plain steps wait to be filed in batches, never past the backlog's bound of steps
+        deferred = self.deferred
+        self._file_at = max(1, min(BATCH, deferred.max_steps - len(deferred)))
 
-    def keep_plain(
+    def after_plain(
         self,
         alloc: PageAllocator,
         decodes: list[Request],
         positions: list[int],
         prefills: list[ScheduledChunk],
         forward: ForwardResult,
+        step_seconds: float,
     ) -> None:
-        """After a plain step's forward (features captured): its drafter-context writes, the
-        decodes' and the prefill chunks', are put off (``deferred``), so that a plain step in
-        dspark mode costs what a plain step costs."""
-        self.last_verify_lens = [0] * len(decodes)
-        self.context.defer_plain_step(alloc, decodes, positions, prefills, forward)
+        """After a plain step (its forward captured the features): its drafter-context writes,
+        the decodes' and the prefill chunks', are put off (``deferred``), so that a plain step in
+        dspark mode costs what a plain step costs, and what it teaches waits with them; both are
+        filed in one go (``HeldLessons``) before anything reads them."""
+        hidden = forward.output.hidden
+        assert hidden is not None
+        lessons = self.lessons
+        lessons.plain.append(
+            PlainStep(
+                decodes,
+                positions,
+                prefills,
+                hidden,
+                forward.seconds,
+                forward.batch.num_tokens,
+                sum(c.num_tokens for c in prefills) if prefills else 0,
+                step_seconds if decodes else None,
+            )
+        )
+        if len(lessons.plain) >= self._file_at or self._catch_up_due:
+            self.file_lessons(alloc)
 
     @inference_mode
     def step(
@@ -212,8 +240,8 @@ class SpeculativeDecoder:
         if not decodes:
             raise ValueError("a speculative step needs decoding requests (else it is a plain step)")
         t_start = time.perf_counter()
-        if self.lessons.has_plain():  # a held drafting step's lessons may wait on
-            self.file_lessons()
+        if self.lessons.has_plain() or self._catch_up_due:  # a held drafting step's lessons may wait on
+            self.file_lessons(runner.allocator)
         plain = list(plain)
         sampling = self._sampling.get([r.params for r in decodes])
         prefill_tokens = sum(c.num_tokens for c in prefills)
@@ -234,7 +262,6 @@ class SpeculativeDecoder:
             sources.lookup_rows,
         )
         self.last_verify_lens = plan.lens + [0] * len(plain)
-
         capture = self.drafter.capture_layers
         verified = verify_forward(runner, decodes, plain, prefills, drafts, plan.lens, sampling, capture)
         forward, outcome = verified.forward, verified.outcome
@@ -306,17 +333,6 @@ class SpeculativeDecoder:
         if self.lessons:
             self.file_lessons()
         teach(self.gate, self.overhead, lesson)
-
-    def record_plain(
-        self, decodes: list[Request], forward: ForwardResult, prefill_tokens: int, step_seconds: float
-    ) -> None:
-        """After a plain step (``keep_plain``): the same lessons, one token per request, filed
-        with the next full choice (``HeldLessons``)."""
-        if decodes:
-            batch = forward.batch.num_tokens
-            self.lessons.steps.append((len(decodes), forward.seconds, batch, prefill_tokens, step_seconds))
-            if self.lessons.full():
-                self.file_lessons()
 
     def record_outside(self, num_decodes: int, drafted: bool, seconds: float) -> None:
         """The engine loop's time between a step with ``num_decodes`` decoding requests (a

@@ -240,7 +240,7 @@ class DraftGate:
         explore_run: int = 3,
         enter_margin: float = 1.15,
         stay_ratio: float = 0.95,
-        max_hold: int = 8,
+        max_hold: int = 16,
         hold_margin: float = 1.1,
         refresh_overhead: float = 0.005,
         odds_power: float = 4.0,
@@ -690,6 +690,27 @@ class DraftGate:
             b = self._bucket(num_requests)
             b.plain_seconds.update(seconds, self.smoothing)
             b.since_plain = 0
+
+    def record_plain_many(self, num_requests: int, seconds: Sequence[float]) -> None:
+        """``record_plain`` for plain steps of the same load, in the order they ran."""
+        if num_requests <= 0:
+            return
+        b = self._bucket(num_requests)
+        times, smoothing = b.plain_seconds, self.smoothing
+        for x in seconds:
+            if x > 0 and math.isfinite(x):
+                times.update(x, smoothing)
+                b.since_plain = 0
+
+    def record_outside_plain(self, lessons: Sequence[tuple[int, float]]) -> None:
+        """``record_outside`` for plain steps: (decoding requests, loop seconds), in order."""
+        last_n, mean, smoothing = 0, _Mean(), self.smoothing
+        for n, seconds in lessons:
+            if not (seconds >= 0 and math.isfinite(seconds) and n > 0):
+                continue
+            if n != last_n:  # (a held plain choice is one load)
+                last_n, mean = n, self._bucket(n).outside_plain
+            mean.update(clip_outlier(seconds, mean.value if mean.count >= 3 else None), smoothing)
 
     def record_outside(self, num_requests: int, drafted: bool, seconds: float) -> None:
         """The loop's time between a finished step of ``num_requests`` decoding requests (of the

@@ -68,6 +68,21 @@ def teach_plain(
         overhead.record(num_decodes, step_s, forward_s, 0.0)
 
 
+def teach_plain_run(
+    gate: DraftGate | None,
+    overhead: StepOverhead | None,
+    num_decodes: int,
+    forward_seconds: Sequence[float],
+    step_seconds: Sequence[float],
+) -> None:
+    """Decode-only plain steps of ``num_decodes`` requests, in the order they ran: what
+    ``teach_plain`` files for each, in one call per estimator."""
+    if gate is not None:
+        gate.record_plain_many(num_decodes, step_seconds)
+    if overhead is not None:
+        overhead.record_many(num_decodes, step_seconds, forward_seconds)
+
+
 def decode_share(
     forward_seconds: float, batch_tokens: int, prefill_tokens: int, step_seconds: float
 ) -> tuple[float, float]:

@@ -11,6 +11,7 @@ which a step pays whatever it verified.
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 
 from dspark_server.engine.spec.draft_gate import DraftGate, clip_outlier
 
@@ -29,6 +30,15 @@ class StepOverhead:
         if not math.isfinite(post) or post < 0:
             return
         self._update(self._post, DraftGate.bucket_of(num_requests), post)
+
+    def record_many(self, num_requests: int, step_s: Sequence[float], forward_s: Sequence[float]) -> None:
+        """``record`` for decode-only plain steps (no draft pass), in the order they ran."""
+        means, key, smoothing = self._post, DraftGate.bucket_of(num_requests), self.smoothing
+        for step, forward in zip(step_s, forward_s, strict=True):
+            post = step - forward
+            if math.isfinite(post) and post >= 0:
+                old = means.get(key)
+                means[key] = post if old is None else (1 - smoothing) * old + smoothing * post
 
     def record_outside(self, num_requests: int, seconds: float) -> None:
         """The engine loop's time between a drafting step of ``num_requests`` and the next step."""
