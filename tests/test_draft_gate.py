@@ -317,15 +317,44 @@ def test_a_drafting_step_after_plain_ones_prices_the_switch_not_drafting() -> No
         picks.append(drafts_all(gate, ["a"]))
         if not picks[-1]:
             gate.record(["a"], False, [1], 0.001)
-        elif picks[-2]:  # drafting after drafting: a warm step
-            gate.record(["a"], True, [3.0], 0.004)
+        elif picks[-2]:  # drafting after drafting: a warm step (its catch-up call: 20 us)
+            gate.record(["a"], True, [3.0], 0.004, switch_seconds=0.00002)
         else:  # the switch: 3 ms slower than a warm step, and 2 ms of put-off writes
             gate.record(["a"], True, [3.0], 0.007, switch_seconds=0.002)
     first = picks.index(True)
     assert picks[first : first + 4] == [True, True, True, False]
     bucket = gate._bucket(1)
     assert bucket.draft_seconds.value == pytest.approx(0.004)  # the cold steps left it alone
-    assert bucket.switch_seconds.value == pytest.approx(0.005)  # their excess and the catch-up
+    # their excess and the catch-up; the warm steps' own catch-ups are not a switch
+    assert bucket.switch_seconds.value == pytest.approx(0.005)
+
+
+def test_an_exploration_run_ends_when_its_requests_change() -> None:
+    # a run measures warm drafting steps of the requests it explores; a newcomer joining it
+    # would pay its whole prompt's catch-up (at four requests on the demo pair ~10-20 ms a step
+    # against ~6 warm), so the run stops there and the next choice is made in full
+    picks = []
+    for join in (False, True):
+        gate = DraftGate(
+            min_samples=1,
+            smoothing=1.0,
+            request_smoothing=1.0,
+            explore_run=3,
+            prior_samples=0,
+            explore_fraction=1.0,
+        )
+        ids = ["a", "b"]
+        assert drafts_all(gate, ids) is True  # warm-up
+        gate.record(ids, True, [1.5, 1.5], 0.006)
+        assert drafts_all(gate, ids) is False
+        gate.record(ids, False, [1, 1], 0.001)
+        while not drafts_all(gate, ids):  # plain (0.5 tokens/ms against 2) until an exploration
+            gate.record(ids, False, [1, 1], 0.001)
+        gate.record(ids, True, [1.5, 1.5], 0.006)
+        if join:
+            ids = ids + ["c"]  # (the same load bucket)
+        picks.append(drafts_all(gate, ids))
+    assert picks == [True, False]
 
 
 def test_starting_to_draft_pays_the_switch_staying_does_not() -> None:

@@ -100,7 +100,8 @@ only; a switching step's excess over it joins the catch-up in ``switch_seconds``
 compares steady states (drafting step after drafting step against plain after plain); starting
 to draft pays the switch once, priced as ``switch_seconds / explore_run`` on top of a drafting
 step's time (the run it is expected to last at least), and an exploration of whole drafting
-steps lasts ``explore_run`` steps, so that it measures a warm step and not only a cold one.
+steps lasts ``explore_run`` steps of the same requests (a newcomer ends it), so that it measures
+a warm step and not only a cold one.
 
 Both step kinds are priced as whole iterations of the engine loop: the loop's time between a
 step and the next (streaming the step's outputs to the server, metrics, scheduling) is paid
@@ -296,6 +297,7 @@ class DraftGate:
         self._last_drafted: bool | None = None
         self._before_drafted: bool | None = None
         self._run_left = 0  # drafting steps left in the current exploration run
+        self._run_ids: tuple[str, ...] = ()  # the requests it explores
         self._drafted_at: dict[str, int] = {}  # request id -> the last step it drafted in
         self._buckets: dict[int, _Bucket] = {}
         self._forecast: dict[str, float] = {}  # request id -> tokens per drafting step
@@ -510,10 +512,13 @@ class DraftGate:
         self._hold = (steps, tuple(request_ids), b, True) if steps > 0 else None
         return list(range(len(request_ids)))
 
-    def _explore_drafting(self, everyone: list[int]) -> list[int]:
-        """Start an exploration run of whole drafting steps (``explore_run`` of them)."""
+    def _explore_drafting(self, request_ids: Sequence[str]) -> list[int]:
+        """Start an exploration run of whole drafting steps (``explore_run`` of them) for these
+        requests: it ends when they change (a newcomer would pay its whole prompt's catch-up,
+        on the demo pair's waves of four requests ~10-20 ms a step against ~6 for a warm one)."""
         self._run_left = self.explore_run - 1
-        return everyone
+        self._run_ids = tuple(request_ids)
+        return list(range(len(request_ids)))
 
     def _choose(self, request_ids: Sequence[str], regimes: Sequence[float] | None, whole: bool) -> list[int]:
         n = len(request_ids)
@@ -535,8 +540,10 @@ class DraftGate:
         b.since_explore += 1
         b.since_plain += 1
         if self._run_left > 0 and self._last_drafted:
-            self._run_left -= 1
-            return everyone
+            if self._run_ids == tuple(request_ids):
+                self._run_left -= 1
+                return everyone
+            self._run_left = 0
         switch = b.switch_seconds.value if b.switch_seconds.count else 0.0
         tokens = self.forecast_tokens(request_ids, regimes)
         # rates over whole loop iterations: the loop's time outside a step is paid per step, so
@@ -575,7 +582,7 @@ class DraftGate:
             and self._unsure_newcomer(request_ids, regimes)
         ):
             b.since_explore = b.since_partial = 0  # a newcomer on a prior of few samples: learn it, once
-            return self._explore_drafting(everyone)
+            return self._explore_drafting(request_ids)
         near = draft_rate >= self.near_ratio * plain_rate
         odds = self.exploration_odds(draft_rate, plain_rate)
         forced = self.forced_interval(lost, plain_s)
@@ -583,7 +590,7 @@ class DraftGate:
         due = interval if near or few == n else forced
         if b.since_explore >= due and whole:
             b.since_explore = b.since_partial = 0
-            return self._explore_drafting(everyone)
+            return self._explore_drafting(request_ids)
         # plain for now; while drafting clearly loses, for the next few steps of these requests
         # too, up to the step before an exploration could fall due
         hold = due - b.since_explore - 1 if entry_rate * self.hold_margin < bar else 0
@@ -658,7 +665,11 @@ class DraftGate:
             b.switch_seconds.update(switch + excess, self.smoothing)
         else:
             b.draft_seconds.update(seconds, self.smoothing)
-            if switch > 0:
+            # a switch while the bucket warms up; after a drafting step the catch-up is a few
+            # plain decodes' rows at most, not the price of switching (averaged in, the warm
+            # steps of exploration runs held the estimate at ~1.5 ms where a switch at four
+            # requests cost 5-10: explorations came twice as often as their budget allows)
+            if switch > 0 and self._before_drafted is False:
                 b.switch_seconds.update(switch, self.smoothing)
         b.tokens_per_request.update(sum(tokens) / len(tokens), self.smoothing)
         self._prior.update(sum(tokens) / len(tokens), self.smoothing)
