@@ -715,21 +715,25 @@ class DraftGate:
 
     def record_outside_plain(self, lessons: Sequence[tuple[int, float]]) -> None:
         """``record_outside`` for plain steps: (decoding requests, loop seconds), in order."""
-        last_n, mean, smoothing = 0, _Mean(), self.smoothing
+        last_n, mean = 0, _Mean()
         for n, seconds in lessons:
             if not (seconds >= 0 and math.isfinite(seconds) and n > 0):
                 continue
             if n != last_n:  # (a held plain choice is one load)
                 last_n, mean = n, self._bucket(n).outside_plain
-            mean.update(clip_outlier(seconds, mean.value if mean.count >= 3 else None), smoothing)
+            self._update_loop_time(mean, seconds)
 
     def record_outside(self, num_requests: int, drafted: bool, seconds: float) -> None:
         """The loop's time between a finished step of ``num_requests`` decoding requests (of the
         kind ``drafted`` says) and the next step: streaming its outputs, metrics, scheduling."""
         if seconds >= 0 and math.isfinite(seconds) and num_requests > 0:
             b = self._bucket(num_requests)
-            mean = b.outside_draft if drafted else b.outside_plain
-            mean.update(clip_outlier(seconds, mean.value if mean.count >= 3 else None), self.smoothing)
+            self._update_loop_time(b.outside_draft if drafted else b.outside_plain, seconds)
+
+    def _update_loop_time(self, mean: _Mean, seconds: float) -> None:
+        """One sample of the loop's time between steps, a stall clipped to a multiple of the
+        estimate (once it stands on three samples)."""
+        mean.update(clip_outlier(seconds, mean.value if mean.count >= 3 else None), self.smoothing)
 
     def times(self) -> dict[int, dict[tuple[str, str], float]]:
         """bucket -> {(choice, part): seconds}: each step kind's ("draft", "plain") own time

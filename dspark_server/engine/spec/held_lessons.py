@@ -88,9 +88,9 @@ class HeldLessons:
                 positions = [p for step in group for p in step.positions]
                 features = torch.cat([step.features for step in group])
                 full = deferred.defer((), features, decodes, positions) or full
-                if live_sps is not None:
-                    live_sps.record_many(first.batch_tokens, [step.forward_seconds for step in group])
                 forward_s = [step.forward_seconds for step in group]
+                if live_sps is not None:
+                    live_sps.record_many(first.batch_tokens, forward_s)
                 step_s = [step.step_seconds or 0.0 for step in group]
                 teach_plain_run(gate, overhead, len(first.decodes), forward_s, step_s)
                 continue

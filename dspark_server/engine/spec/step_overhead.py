@@ -33,12 +33,11 @@ class StepOverhead:
 
     def record_many(self, num_requests: int, step_s: Sequence[float], forward_s: Sequence[float]) -> None:
         """``record`` for decode-only plain steps (no draft pass), in the order they ran."""
-        means, key, smoothing = self._post, DraftGate.bucket_of(num_requests), self.smoothing
+        key = DraftGate.bucket_of(num_requests)
         for step, forward in zip(step_s, forward_s, strict=True):
             post = step - forward
             if math.isfinite(post) and post >= 0:
-                old = means.get(key)
-                means[key] = post if old is None else (1 - smoothing) * old + smoothing * post
+                self._update(self._post, key, post)
 
     def record_outside(self, num_requests: int, seconds: float) -> None:
         """The engine loop's time between a drafting step of ``num_requests`` and the next step."""
