@@ -212,7 +212,7 @@ def test_warm_up_measures_both_choices_before_one_slow_step_can_decide() -> None
 def test_a_newcomer_starts_from_its_sampling_regimes_prior() -> None:
     # greedy requests accept far more than sampled ones: after greedy traffic trained the load
     # bucket's mean, a temperature-1 newcomer must start from what temperature-1 requests emitted
-    gate = DraftGate(min_samples=1, smoothing=1.0, request_smoothing=0.5)
+    gate = DraftGate(min_samples=1, smoothing=1.0, prior_smoothing=1.0, request_smoothing=0.5)
     gate.record(["g1", "g2"], True, [5.0, 5.0], 0.05, regimes=[0.0, 0.0])
     gate.record(["s1", "s2"], True, [1.5, 1.5], 0.05, regimes=[1.0, 1.0])
     assert gate.forecast_tokens(["new"], [1.0]) == pytest.approx(1.5)
@@ -285,7 +285,9 @@ def test_a_stale_forecast_returns_to_its_regimes_prior() -> None:
     # a request that drafted through a hard stretch would otherwise keep its low forecast until
     # its next exploration, while high forecasts are refreshed at every drafting step: forecasts
     # left alone would be biased low, and the gate would keep plain steps where drafting pays
-    gate = DraftGate(min_samples=1, smoothing=1.0, request_smoothing=1.0, forecast_half_life=8.0)
+    gate = DraftGate(
+        min_samples=1, smoothing=1.0, prior_smoothing=1.0, request_smoothing=1.0, forecast_half_life=8.0
+    )
     gate.record(["easy"], True, [5.0], 0.004, regimes=[0.0])  # the regime's prior: 5 tokens
     gate.record(["hard"], True, [1.0], 0.004, regimes=[0.0])  # ... now 1 (smoothing 1)
     gate.record(["easy"], True, [5.0], 0.004, regimes=[0.0])  # ... 5 again
@@ -298,6 +300,29 @@ def test_a_stale_forecast_returns_to_its_regimes_prior() -> None:
     for _ in range(16):
         gate.choose(["hard"], [0.0])
     assert gate.forecast_tokens(["hard"], [0.0]) == pytest.approx(5.0 + (1.0 - 5.0) * 0.5**3)
+
+
+def test_one_requests_hard_stretch_does_not_become_the_prior_it_returns_to() -> None:
+    # at one request, the last drafting steps before a drop to plain steps are that request's own
+    # hard stretch: a prior that followed them as fast as the step times (smoothing 0.05) sat at
+    # ~2.6 tokens where the traffic kept ~4.9 (HumanEval, temperature 0, in-process), so the
+    # forecast was drawn back to its own low value and 27% of the steps were plain against 10%
+    gate = DraftGate(min_samples=1, forecast_half_life=8.0, explore_every=64)
+    for r in range(10):  # earlier requests: 5 tokens a drafting step, 3 plain steps' time
+        for _ in range(20):
+            gate.record([f"r{r}"], True, [5.0], 0.003, regimes=[0.0], kept=[5])
+            gate.record([f"r{r}"], False, [1], 0.001)
+    for _ in range(20):  # the request now running hits a hard stretch
+        gate.record(["hard"], True, [1.5], 0.003, regimes=[0.0], kept=[1])
+    prior = gate.forecast_tokens(["new"], [0.0])
+    assert prior > 4.5  # what the traffic kept, not the hard stretch
+    # its own forecast (1.5 tokens < 3 plain steps' time) is drawn back to that prior by half
+    # every 8 steps; drafting is entered at 3.45 (the entry margin) after ~12 plain steps (at the
+    # end of a held plain choice: 17), long before an exploration (64 steps) would bring it back
+    plain_steps = 0
+    while not gate.choose(["hard"], [0.0]) and plain_steps < 63:
+        plain_steps += 1
+    assert 8 <= plain_steps <= 20
 
 
 def test_a_drafting_step_after_plain_ones_prices_the_switch_not_drafting() -> None:

@@ -10,8 +10,9 @@ draft gate deciding), ``pinned`` (dspark mode with the gate pinned to plain step
 mode's bookkeeping costs a plain step), ``no-margin`` (the gate entering drafting as soon as
 its forecast wins at all: ``DraftGate.enter_margin`` 1), ``no-hold`` (the gate choosing in
 full at every step: ``DraftGate.max_hold`` 0), ``odds-square`` (explorations budgeted by the
-square of drafting's rate ratio, not its fourth power: ``DraftGate.odds_power`` 2) and
-``no-gate`` (dspark mode without the draft gate: every step drafts and the planner alone decides
+square of drafting's rate ratio, not its fourth power: ``DraftGate.odds_power`` 2),
+``fast-prior`` (the gate's priors moving as fast as its step times: ``DraftGate.prior_smoothing``
+0.05) and ``no-gate`` (dspark mode without the draft gate: every step drafts and the planner alone decides
 what to verify). Prints tokens/s per round, then each
 variant's median and its ratio to ``off``. A diagnostic of the engine alone: the serving sweep is
 the figure that counts.
@@ -32,7 +33,8 @@ from dspark_server.engine.engine import LLMEngine
 from dspark_server.engine.request import RequestOutput, SamplingParams
 from dspark_server.engine.spec.draft_gate import DraftGate
 
-VARIANTS = ("off", "fixed", "dspark", "pinned", "no-margin", "no-hold", "odds-square", "no-gate")
+GATE_VARIANTS = ("pinned", "no-margin", "no-hold", "odds-square", "fast-prior", "no-gate")
+VARIANTS = ("off", "fixed", "dspark", *GATE_VARIANTS)
 
 
 def _pin_plain(gate: DraftGate) -> None:
@@ -49,7 +51,7 @@ def _pin_plain(gate: DraftGate) -> None:
 def build(
     variant: str, model: str, draft: str, max_running: int, weight_dtype: str, threads: int | None
 ) -> LLMEngine:
-    mode = "dspark" if variant in ("pinned", "no-margin", "no-hold", "odds-square", "no-gate") else variant
+    mode = "dspark" if variant in GATE_VARIANTS else variant
     spec = SpeculativeConfig(mode=mode, draft_gate=variant != "no-gate")  # type: ignore[arg-type]
     cfg = EngineConfig(
         model_dir=model,
@@ -69,6 +71,8 @@ def build(
         gate.max_hold = 0
     if variant == "odds-square" and gate is not None:
         gate.odds_power = 2.0
+    if variant == "fast-prior" and gate is not None:  # the priors as fast as the step times
+        gate.prior_smoothing = gate.smoothing
     return engine
 
 
