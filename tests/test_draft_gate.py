@@ -295,7 +295,7 @@ def test_a_stale_forecast_returns_to_its_regimes_prior() -> None:
     assert gate.forecast_tokens(["hard"], [0.0]) == pytest.approx(1.0)  # just drafted: its own
     for _ in range(8):
         gate.choose(["hard"], [0.0])  # steps in which it does not draft
-    assert gate._drafted_at["hard"] == 0  # it last drafted before the first of these steps
+    assert gate.forecasts.drafted_at["hard"] == 0  # it last drafted before the first of these steps
     assert gate.forecast_tokens(["hard"], [0.0]) == pytest.approx(5.0 + (1.0 - 5.0) * 0.5)
     for _ in range(16):
         gate.choose(["hard"], [0.0])
@@ -394,7 +394,7 @@ def test_starting_to_draft_pays_the_switch_staying_does_not() -> None:
     bucket.draft_seconds.update(0.004, 1.0)
     bucket.plain_seconds.update(0.001, 1.0)
     bucket.switch_seconds.update(0.006, 1.0)
-    gate._forecast["b"] = 4.5
+    gate.forecasts.own["b"] = 4.5
     gate._last_drafted = False
     assert drafts_all(gate, ["b"]) is False
     gate._last_drafted = True
@@ -416,7 +416,7 @@ def test_from_plain_steps_drafting_must_win_by_the_margin_once_drafting_it_stays
     bucket.plain_seconds.update(0.001, 1.0)
     cases = ((4.4, False, True), (4.8, True, True), (3.9, False, True), (3.7, False, False))
     for tokens, from_plain, from_drafting in cases:
-        gate._forecast["b"] = tokens  # 4.4 per 4 ms: 1.1x plain; 4.8: 1.2x; 3.9: 0.975x; 3.7: 0.925x
+        gate.forecasts.own["b"] = tokens  # 4.4 per 4 ms: 1.1x plain; 4.8: 1.2x; 3.9: 0.975x; 3.7: 0.925x
         gate._hold = None  # (a forecast moves through ``record``, which ends a held choice)
         bucket.since_plain = bucket.since_explore = 0  # (no exploration is due)
         gate._last_drafted, gate._run_left = False, 0
@@ -633,7 +633,7 @@ def test_a_held_drafting_choice_is_the_choice_a_full_one_would_make() -> None:
         b = g._bucket(2)
         b.draft_seconds.update(0.002, 1.0)
         b.plain_seconds.update(0.001, 1.0)
-        g._forecast.update({"a": 6.0, "b": 6.0})  # 12 tokens per 2 ms: 3x plain's 2 per 1 ms
+        g.forecasts.own.update({"a": 6.0, "b": 6.0})  # 12 tokens per 2 ms: 3x plain's 2 per 1 ms
         return g
 
     held, full = gate(8), gate(0)

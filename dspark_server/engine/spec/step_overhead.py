@@ -13,7 +13,8 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 
-from dspark_server.engine.spec.draft_gate import DraftGate, clip_outlier
+from dspark_server.engine.spec.draft_gate import DraftGate
+from dspark_server.engine.spec.gate_estimates import clip_outlier
 
 
 class StepOverhead:

@@ -1,0 +1,115 @@
+"""The draft gate's estimates: moving averages of step times and tokens, kept per load bucket
+(``LoadBucket``), and the two small rules they are read with (a stall clipped, a stale forecast
+drawn back to its prior)."""
+
+from __future__ import annotations
+
+import math
+import statistics
+from dataclasses import dataclass, field
+
+# A sample of the loop's time between steps above this multiple of its estimate counts as this
+# multiple: one stall (a page fault storm, the process descheduled, a garbage collection) would
+# otherwise raise a per-step cost for dozens of steps; a lasting change still moves the estimate
+# (by up to this factor per sample's weight).
+OUTLIER_RATIO = 4.0
+
+
+def clip_outlier(x: float, estimate: float | None) -> float:
+    """``x`` capped at ``OUTLIER_RATIO`` times the current ``estimate`` (None / nan: as is)."""
+    if estimate is None or not math.isfinite(estimate) or estimate <= 0:
+        return x
+    return min(x, OUTLIER_RATIO * estimate)
+
+
+def drawn_back(own: float | None, prior: float, age: int, half_life: float) -> float:
+    """A request's own forecast ``own`` drawn back to ``prior`` by half every ``half_life`` steps
+    of ``age`` (None: no forecast of its own, the prior; a NaN prior: its own as it is)."""
+    if own is None:
+        return prior
+    if math.isnan(prior) or not age:
+        return own
+    return prior + (own - prior) * 0.5 ** (age / half_life)
+
+
+def regime_key(temperature: float) -> float:
+    """Sampling temperatures that accept alike share a prior (0: greedy)."""
+    return round(float(temperature), 1)
+
+
+@dataclass
+class MovingMean:
+    """A moving average; a plain mean until there are 1/smoothing samples, so that one slow first
+    step (cold caches) does not stand for the choice for long."""
+
+    value: float = math.nan
+    count: int = 0
+
+    def update(self, x: float, smoothing: float) -> None:
+        self.count += 1
+        w = max(smoothing, 1.0 / self.count)
+        self.value = x if math.isnan(self.value) else (1 - w) * self.value + w * x
+
+
+@dataclass
+class StepTime(MovingMean):
+    """A step time's moving average, robust while it starts: the median of the first 1/smoothing
+    samples (their minimum below three), then the moving average. The first steps of a fresh
+    server are several times slower (cold caches, first allocations); averaged in, they made
+    drafting look dear for hundreds of steps, and exploring it rare for as long."""
+
+    first: list[float] = field(default_factory=list)
+    seed: bool = False  # the value is a neighbouring bucket's, scaled: not a measurement
+
+    @classmethod
+    def seeded(cls, value: float, count: int) -> StepTime:
+        return cls(value, count, [value] * count, seed=True)
+
+    def update(self, x: float, smoothing: float) -> None:
+        if self.seed:  # the first measurement replaces the estimate outright: as seed samples
+            # it outvoted real ones in the median (a drafting step at 64 requests seeded from
+            # 20 at 34 ms, measured at 46-48 ms, stayed 34 ms and kept drafting look cheap)
+            self.seed = False
+            self.first = [x] * len(self.first)
+            self.value = x
+        self.count += 1
+        if self.count > round(1.0 / smoothing):
+            self.first.clear()
+            self.value = (1 - smoothing) * self.value + smoothing * x
+            return
+        self.first.append(x)
+        self.value = min(self.first) if len(self.first) < 3 else statistics.median(self.first)
+
+
+@dataclass
+class LoadBucket:
+    draft_seconds: StepTime = field(default_factory=StepTime)
+    plain_seconds: StepTime = field(default_factory=StepTime)
+    tokens_per_request: MovingMean = field(default_factory=MovingMean)  # in drafting steps: the prior
+    switch_seconds: MovingMean = field(
+        default_factory=MovingMean
+    )  # catch-up of a drafting step after plain ones
+    partial_lost: MovingMean = field(default_factory=MovingMean)  # what drafting for a few costs, vs plain
+    # the engine loop's time between a step of each kind and the next one (streaming the
+    # outputs, metrics, scheduling): paid once per step, whatever the step emitted
+    outside_draft: MovingMean = field(default_factory=MovingMean)
+    outside_plain: MovingMean = field(default_factory=MovingMean)
+    since_explore: int = 0
+    since_partial: int = 0
+    since_plain: int = 0  # steps since a plain step's time was measured
+
+    def outside(self, drafted: bool) -> float:
+        """Seconds the loop spends outside a step of this kind (the other kind's until measured)."""
+        kinds = (self.outside_draft, self.outside_plain)
+        for m in kinds if drafted else kinds[::-1]:
+            if m.count and math.isfinite(m.value):
+                return m.value
+        return 0.0
+
+    def iteration(self, drafted: bool) -> float:
+        """A whole loop iteration with a step of this kind: the step's time and the loop's."""
+        return (self.draft_seconds if drafted else self.plain_seconds).value + self.outside(drafted)
+
+    def measured(self, min_samples: int) -> bool:
+        """Both step kinds measured ``min_samples`` times (or seeded as if they were)."""
+        return min(self.draft_seconds.count, self.plain_seconds.count) >= min_samples
