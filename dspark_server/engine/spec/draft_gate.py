@@ -109,31 +109,6 @@ class DraftGate:
             request_smoothing, prior_smoothing, forecast_half_life, self.min_samples
         )
 
-    # the forecasts' settings, read and set through the gate like its own
-    @property
-    def request_smoothing(self) -> float:
-        return self.forecasts.request_smoothing
-
-    @request_smoothing.setter
-    def request_smoothing(self, value: float) -> None:
-        self.forecasts.request_smoothing = value
-
-    @property
-    def prior_smoothing(self) -> float:
-        return self.forecasts.prior_smoothing
-
-    @prior_smoothing.setter
-    def prior_smoothing(self, value: float) -> None:
-        self.forecasts.prior_smoothing = value
-
-    @property
-    def forecast_half_life(self) -> float:
-        return self.forecasts.half_life
-
-    @forecast_half_life.setter
-    def forecast_half_life(self, value: float) -> None:
-        self.forecasts.half_life = value
-
     @staticmethod
     def bucket_of(num_requests: int) -> int:
         return max(1, num_requests).bit_length()
@@ -439,7 +414,7 @@ class DraftGate:
             # requests cost 5-10: explorations came twice as often as their budget allows)
             if switch > 0 and self._before_drafted is False:
                 b.switch_seconds.update(switch, self.smoothing)
-        b.tokens_per_request.update(sum(tokens) / len(tokens), self.prior_smoothing)
+        b.tokens_per_request.update(sum(tokens) / len(tokens), self.forecasts.prior_smoothing)
         mean = b.tokens_per_request.value
         self.forecasts.learn(request_ids, tokens, regimes, kept, key, mean, self._steps)
 
