@@ -11,9 +11,9 @@ mode's bookkeeping costs a plain step), ``no-margin`` (the gate entering draftin
 its forecast wins at all: ``DraftGate.enter_margin`` 1), ``no-hold`` (the gate choosing in
 full at every step: ``DraftGate.max_hold`` 0), ``odds-square`` (explorations budgeted by the
 square of drafting's rate ratio, not its fourth power: ``DraftGate.odds_power`` 2),
-``fast-prior`` (the gate's priors moving as fast as its step times: ``RequestForecasts.prior_smoothing``
-0.05) and ``no-gate`` (dspark mode without the draft gate: every step drafts and the planner alone decides
-what to verify). Prints tokens/s per round, then each
+``fast-prior`` (the gate's priors moving as fast as its step times:
+``RequestForecasts.prior_smoothing`` 0.05) and ``no-gate`` (dspark mode without the draft gate:
+every step drafts and the planner alone decides what to verify). Prints tokens/s per round, then each
 variant's median and its ratio to ``off``. A diagnostic of the engine alone: the serving sweep is
 the figure that counts.
 """

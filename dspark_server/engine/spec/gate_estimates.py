@@ -86,9 +86,8 @@ class LoadBucket:
     draft_seconds: StepTime = field(default_factory=StepTime)
     plain_seconds: StepTime = field(default_factory=StepTime)
     tokens_per_request: MovingMean = field(default_factory=MovingMean)  # in drafting steps: the prior
-    switch_seconds: MovingMean = field(
-        default_factory=MovingMean
-    )  # catch-up of a drafting step after plain ones
+    # a drafting step after plain ones: its catch-up and its excess over a warm drafting step
+    switch_seconds: MovingMean = field(default_factory=MovingMean)
     partial_lost: MovingMean = field(default_factory=MovingMean)  # what drafting for a few costs, vs plain
     # the engine loop's time between a step of each kind and the next one (streaming the
     # outputs, metrics, scheduling): paid once per step, whatever the step emitted

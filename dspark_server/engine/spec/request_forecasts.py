@@ -55,12 +55,9 @@ class RequestForecasts:
         """Tokens a drafting step at step ``now`` is expected to emit for these requests (at load
         bucket ``bucket``, whose mean tokens per request is ``bucket_mean``)."""
         prior = self.prior.value if math.isnan(bucket_mean) else bucket_mean
-        own, drafted_at, half_life = self.own, self.drafted_at, self.half_life
         if regimes is None:
-            return sum(
-                drawn_back(own.get(rid), prior, now - drafted_at.get(rid, now), half_life)
-                for rid in request_ids
-            )
+            return sum(self._aged(rid, prior, now) for rid in request_ids)
+        own, drafted_at, half_life = self.own, self.drafted_at, self.half_life
         # per distinct regime (a step has few): its prior and its realised ratio, then one
         # aged forecast per request (this runs every step, at every load: keep it tight)
         per_regime: dict[float, tuple[float, float]] = {}
@@ -75,6 +72,12 @@ class RequestForecasts:
             p, ratio = known
             total += drawn_back(own.get(rid), p, now - drafted_at.get(rid, now), half_life) * ratio
         return total
+
+    def _aged(self, request_id: str, prior: float, now: int) -> float:
+        """A request's forecast at step ``now``, drawn back to ``prior`` since it last drafted
+        (``tokens`` inlines this for every request of a step)."""
+        age = now - self.drafted_at.get(request_id, now)
+        return drawn_back(self.own.get(request_id), prior, age, self.half_life)
 
     def realised_ratio(self, regime: float, bucket: int | None = None) -> float:
         """Tokens kept / tokens expected by the plans, over recent drafting steps of requests of
@@ -137,8 +140,7 @@ class RequestForecasts:
         for i, (rid, n) in enumerate(zip(request_ids, tokens, strict=True)):
             if rid in self.own:  # its own, aged as the forecast the choice was made on
                 base = bucket_mean if regimes is None else self.regime_prior(bucket, regimes[i], bucket_mean)
-                age = now - self.drafted_at.get(rid, now)
-                prior = drawn_back(self.own[rid], base, age, self.half_life)
+                prior = self._aged(rid, base, now)
             else:
                 prior = bucket_mean
             # the prior weighs as one step: a request's own first steps outweigh it quickly
