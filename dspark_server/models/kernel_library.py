@@ -176,6 +176,10 @@ SIGNATURES = {  # every function returns an int status (0: done)
     "dspark_linear_bf16_variant": [_P, _I, _I, _P, _I, _P, _C, _C, _C],
     "dspark_bf16_gemm_variant": [],
     "dspark_has_bf16": [],
+    # x; m, k; float32 weight [k, n]; its row stride; n; out; accumulate; threads
+    "dspark_linear_f32": [_P, _I, _I, _P, _I, _I, _P, _C, _C],
+    "dspark_has_linear_f32": [],
+    "dspark_f32_gemm_kernel": [],
     # logits; rows, vocab; temperatures, uniforms (float64), keyed (uint8), keys (uint64), out; threads
     "dspark_sample_temperature": [_P, _I, _I, *[_P] * 5, _C],
     # weights; rows, vocab; keys (uint64), out; threads
