@@ -6,14 +6,15 @@
 // 2-core AMD EPYC without AVX-512 (the demo target's shapes, K 256, N 6144, two threads) MKL took
 // 164 / 438 / 467 us at 1 / 4 / 8 rows, its packing copy (mkl_blas_def_sgemm_scopy_down16_bdz)
 // a quarter of a whole drafting step's time, so verifying 8 tokens cost 3.6 forwards of one.
-// Here the weight is read where it lies, once per block of rows: at a few rows the call waits on
-// memory and 8 rows cost little more than one, as on a GPU.
+// Here the weight is read where it lies, once per block of rows (gemm.h has the timings and
+// the row count where MKL's packed loop takes over).
 //
-// Blocking: threads take disjoint ranges of column panels (as many vectors wide as the registers
-// hold accumulators for the rows: 12 with AVX2 at one row, 3 at four), so they never share an
-// output; each thread walks row chunks of MC rows,
-// then K in steps of KC (a panel's KC rows stay in L1 while the chunk's row blocks of MR rows
-// stream past it), with MR x 3 accumulators in registers.
+// Blocking: threads take disjoint ranges of column panels, as wide as the registers hold
+// accumulators for the rows (AVX2: 12 vectors at one row, 3 at four), so they never share an
+// output; each thread walks row chunks of kMc rows, then K in steps of kKc (a panel's kKc rows
+// stay in L1 while the chunk's row blocks of kRows rows pass over it). A panel's rows lie a whole
+// weight row apart, so the rows kAhead ahead are prefetched; one row reads 384 contiguous bytes
+// a K step and streams at about twice the rate of four rows' 96.
 //
 // Every output is one chain of FMAs over k = 0, 1, ..., K - 1 from 0 (or from out, when
 // accumulating), whatever M, the blocking or the thread count: a row's result does not depend on
@@ -33,7 +34,8 @@ namespace {
 #if defined(__AVX512F__)
 using Vec = __m512;
 constexpr int kLanes = 16;
-constexpr int kRows = 8;  // MR: 8 x 3 accumulators of 32 registers
+constexpr int kRows = 8;           // MR, the rows of a tile
+constexpr int kAccumulators = 24;  // of 32 registers
 inline Vec load(const float* p) { return _mm512_loadu_ps(p); }
 inline void store(float* p, Vec v) { _mm512_storeu_ps(p, v); }
 inline Vec splat(float s) { return _mm512_set1_ps(s); }
@@ -43,7 +45,8 @@ constexpr bool kBuilt = true;
 #elif defined(__AVX2__) && defined(__FMA__)
 using Vec = __m256;
 constexpr int kLanes = 8;
-constexpr int kRows = 4;  // MR: 4 x 3 accumulators of 16 registers
+constexpr int kRows = 4;           // MR, the rows of a tile (2 or 3: no faster at 4-16 rows)
+constexpr int kAccumulators = 12;  // of 16 registers
 inline Vec load(const float* p) { return _mm256_loadu_ps(p); }
 inline void store(float* p, Vec v) { _mm256_storeu_ps(p, v); }
 inline Vec splat(float s) { return _mm256_set1_ps(s); }
@@ -55,10 +58,10 @@ constexpr bool kBuilt = false;
 #endif
 
 #if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__))
-constexpr int kMaxTile = kRows * 3;  // accumulators in registers
+constexpr int kMaxTile = kAccumulators;
 constexpr int64_t kKc = 256;         // K rows of a panel per pass
 constexpr int64_t kMc = 64;          // rows of x per chunk
-constexpr int64_t kAhead = 16;       // K rows prefetched ahead
+constexpr int64_t kAhead = 16;       // K rows prefetched ahead (48, 96: no faster)
 constexpr int kLine = 64 / static_cast<int>(sizeof(float));
 
 // out[r, 0 : NV vectors] for rows r < MR: start from out (`resume`: a later K pass, or an

@@ -1,7 +1,8 @@
 // The vanilla Markov head's left-to-right block draft state, shared by markov_greedy.cpp and
 // markov_sample.cpp: per request the previous token x_{k-1} (from the anchors), z = W1[x_{k-1}]
-// and position k's corrected logits U_k + W2 . z (one sgemm over every request, through the BLAS
-// PyTorch's addmm runs, whose address the caller passes).
+// and position k's corrected logits U_k + W2 . z (one GEMM over every request through gemm.h: the
+// float32 kernel at a few requests, else the BLAS sgemm PyTorch's addmm runs, whose address the
+// caller passes).
 #pragma once
 #include <stdint.h>
 #include <stdlib.h>
@@ -46,12 +47,9 @@ struct MarkovBlock {
   }
 
   // logits = U_k + W2 . z for every request (after embed_prev).
-  void corrected_logits(Sgemm sgemm, int64_t k) {
+  void corrected_logits(const Gemms& gemms, int64_t k) {
     for (int64_t i = 0; i < rows; ++i) memcpy(logits + i * vocab, base + (i * g + k) * vocab, sizeof(float) * vocab);
-    const int vi = static_cast<int>(vocab), ri = static_cast<int>(rows), ki = static_cast<int>(rank);
-    const float one = 1.f;
-    // logits^T (V x R, column-major) += W2 (V x r: w2t read as column-major) . z^T (r x R)
-    sgemm("N", "N", &vi, &ri, &ki, &one, w2t, &vi, z, &ki, &one, logits, &vi);
+    linear(gemms, z, rows, rank, w2t, vocab, logits, true);  // logits [R, V] += z [R, r] . W2^T [r, V]
   }
 };
 

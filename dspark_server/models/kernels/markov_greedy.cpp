@@ -78,6 +78,7 @@ int dspark_markov_greedy_f32(void* sgemm_fn, int64_t rows, int64_t g, int64_t vo
   if (!sgemm || rows <= 0 || g <= 0 || vocab <= 0 || rank <= 0) return 1;
   for (int64_t i = 0; i < rows; ++i)
     if (anchors[i] < 0 || anchors[i] >= vocab) return 1;
+  const dspark::Gemms gemms{sgemm, false, nthreads};
   dspark::MarkovBlock block(rows, g, vocab, rank, base, w1, w2t);
   if (!block.start(anchors)) return 1;
   float *z = block.z, *logits = block.logits;
@@ -106,7 +107,7 @@ int dspark_markov_greedy_f32(void* sgemm_fn, int64_t rows, int64_t g, int64_t vo
       }
       continue;
     }
-    block.corrected_logits(sgemm, k);
+    block.corrected_logits(gemms, k);
 #pragma omp parallel for num_threads(nthreads) if (rows * vocab >= (1 << 16))
     for (int64_t i = 0; i < rows; ++i) {
       float m;

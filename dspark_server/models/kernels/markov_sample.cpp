@@ -48,11 +48,12 @@ int dspark_markov_sample_f32(void* sgemm_fn, int64_t rows, int64_t g, int64_t vo
     for (int64_t k = 0; k < g; ++k)
       if (!(uniforms[i * g + k] >= 0.0 && uniforms[i * g + k] < 1.0)) return 1;
   }
+  const dspark::Gemms gemms{sgemm, false, nthreads};
   dspark::MarkovBlock block(rows, g, vocab, rank, base, w1, w2t);
   if (!block.start(anchors)) return 1;
   for (int64_t k = 0; k < g; ++k) {
     block.embed_prev();
-    block.corrected_logits(sgemm, k);
+    block.corrected_logits(gemms, k);
 #pragma omp parallel for num_threads(nthreads) if (nthreads > 1 && rows > 1)
     for (int64_t i = 0; i < rows; ++i) {
       const int64_t at = (i * g + k) * vocab;
