@@ -254,13 +254,17 @@ def test_unknown_impl_is_rejected(monkeypatch: pytest.MonkeyPatch) -> None:
 
 @needs_kernel
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_portable_kernel_without_avx512(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, dtype: torch.dtype
+@pytest.mark.parametrize(
+    "flags", [("-mno-avx512f",), ("-mno-avx512f", "-mno-avx2")], ids=["avx2", "portable"]
+)
+def test_kernel_without_avx512(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, dtype: torch.dtype, flags: tuple[str, ...]
 ) -> None:
-    """The kernel's plain-C++ loops (what a CPU without AVX-512 runs) against the reference."""
+    """The kernel built for a CPU without AVX-512 (its AVX2 path, where this CPU has AVX2) and
+    without AVX2 either (the plain-C++ loops) against the reference."""
     monkeypatch.setenv("DSPARK_KERNEL_CACHE", str(tmp_path))
-    lib = kernel_library.open_library(kernel_library.build("g++", ("-mno-avx512f",)))
-    for hq, hkv, d in [(4, 2, 64), (8, 2, 16)]:
+    lib = kernel_library.open_library(kernel_library.build("g++", flags))
+    for hq, hkv, d in [(4, 2, 64), (8, 2, 16), (4, 1, 128), (2, 1, 80)]:
         q, kc, vc, layout = ragged_batch(hq, hkv, d, dtype)
         out, lse = paged_kernel.kernel_attention(lib, q, kc, vc, layout, want_lse=True)
         ref, ref_lse = reference(q, kc, vc, layout)
