@@ -28,7 +28,7 @@ from dspark_server.models.kernel_library import load_library, torch_blas_symbol
 _Fortran = ctypes.CFUNCTYPE(None, *[ctypes.c_void_p] * 13)
 
 
-def _median_seconds(call: Callable[[], object], repeats: int) -> float:
+def median_seconds(call: Callable[[], object], repeats: int) -> float:
     for _ in range(2):
         call()
     times = []
@@ -94,7 +94,7 @@ def main(argv: list[str] | None = None) -> None:
             calls["mkl"] = _blas(_Fortran(mkl_bf16), plain, x.to(torch.bfloat16), out)
         if sgemm is not None:
             calls["sgemm"] = _blas(_Fortran(sgemm), wt, x, out)
-        rate = {name: flop / _median_seconds(call, args.repeats) / 1e9 for name, call in calls.items()}
+        rate = {name: flop / median_seconds(call, args.repeats) / 1e9 for name, call in calls.items()}
         cells = [f"{rate[name]:.1f}" if name in rate else "-" for name in ("dot", "fma", "mkl", "sgemm")]
         print(f"{m} | " + " | ".join(cells))
 

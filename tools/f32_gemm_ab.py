@@ -14,24 +14,11 @@ from __future__ import annotations
 
 import argparse
 import functools
-import statistics
-import time
-from collections.abc import Callable
 
 import torch
 
 from dspark_server.models.kernel_library import load_library
-
-
-def _median_seconds(call: Callable[[], object], repeats: int) -> float:
-    for _ in range(2):
-        call()
-    times = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        call()
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times)
+from tools.bf16_gemm_ab import median_seconds
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -52,8 +39,8 @@ def main(argv: list[str] | None = None) -> int:
         for m in a.rows:
             x, out = torch.randn(m, k), torch.empty(m, n)
             args = (x.data_ptr(), m, k, wt.data_ptr(), n, n, out.data_ptr(), 0, a.threads)
-            blas = _median_seconds(functools.partial(torch.mm, x, wt, out=out), a.repeats)
-            ours = _median_seconds(functools.partial(lib.dspark_linear_f32, *args), a.repeats)
+            blas = median_seconds(functools.partial(torch.mm, x, wt, out=out), a.repeats)
+            ours = median_seconds(functools.partial(lib.dspark_linear_f32, *args), a.repeats)
             print(f"{shape:>12} {m:>5} {blas * 1e6:>9.0f} {ours * 1e6:>10.0f} {blas / ours:>13.2f}")
     return 0
 
