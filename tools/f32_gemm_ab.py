@@ -7,7 +7,7 @@ the larger ones (kernels/gemm.h: ``f32_kernel_rows``).
 Prints microseconds per call for each at each (K x N, rows), interleaved (each one's median of
 ``--repeats`` timed calls, one after the other), and their ratio. The weight is in the serving
 layout (a [N, K] weight stored column-major, its [K, N] transpose contiguous). A diagnostic: it
-needs the kernel library built for AVX2 + FMA or AVX-512.
+needs the kernel library built for AVX2 + FMA.
 """
 
 from __future__ import annotations
@@ -30,7 +30,7 @@ def main(argv: list[str] | None = None) -> int:
     a = p.parse_args(argv)
     lib = load_library()
     if lib is None or not lib.dspark_has_linear_f32():
-        raise SystemExit("needs the kernel library built for AVX2 + FMA or AVX-512")
+        raise SystemExit("needs the kernel library built for AVX2 + FMA")
     torch.set_num_threads(a.threads)
     print(f"{'K x N':>12} {'rows':>5} {'sgemm us':>9} {'kernel us':>10} {'sgemm/kernel':>13}")
     for shape in a.shapes:

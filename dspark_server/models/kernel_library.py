@@ -7,9 +7,9 @@ seconds (``g++ -O3 -march=native -fopenmp``). The shared object is cached under
 flags, the compiler and the CPU, and written atomically so concurrent processes can share it.
 When no compiler is available (or the build fails) ``load_library()`` returns None: attention impl
 "auto" then runs the gather path, "kernel" refuses to start, and the layers run their PyTorch
-path. On CPUs without AVX-512 the same source compiles to AVX2 + FMA paths (attention, the float32
-GEMM of a few rows), and without AVX2 to portable loops (tests/test_paged_attention.py builds both
-variants too).
+path. On CPUs without AVX-512 the attention compiles to an AVX2 + FMA path, and without AVX2 to
+portable loops (tests/test_paged_attention.py builds both variants too); the float32 GEMM of a
+few rows (linear_f32.cpp) needs AVX2 + FMA, else the BLAS sgemm serves.
 """
 
 from __future__ import annotations
