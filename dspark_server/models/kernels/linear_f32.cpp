@@ -25,7 +25,6 @@
 #include <stdlib.h>
 #include <string.h>
 
-#include <utility>
 #ifdef _OPENMP
 #include <omp.h>
 #endif
@@ -37,20 +36,14 @@ namespace {
 #if defined(__AVX2__) && defined(__FMA__)
 using Vec = __m256;
 constexpr int kLanes = 8;
-constexpr int kRows = 4;           // MR, the rows of a tile (2 or 3: no faster at 4-16 rows)
-constexpr int kAccumulators = 12;  // of 16 registers
+constexpr int kRows = 4;     // MR, the rows of a tile (2 or 3: no faster at 4-16 rows)
+constexpr int kMaxTile = 12;  // accumulators in a tile, of 16 registers
 inline Vec load(const float* p) { return _mm256_loadu_ps(p); }
 inline void store(float* p, Vec v) { _mm256_storeu_ps(p, v); }
 inline Vec splat(float s) { return _mm256_set1_ps(s); }
 inline Vec zero() { return _mm256_setzero_ps(); }
 inline Vec fmadd(Vec a, Vec b, Vec c) { return _mm256_fmadd_ps(a, b, c); }
 constexpr bool kBuilt = true;
-#else
-constexpr bool kBuilt = false;
-#endif
-
-#if defined(__AVX2__) && defined(__FMA__)
-constexpr int kMaxTile = kAccumulators;
 constexpr int64_t kKc = 256;         // K rows of a panel per pass
 constexpr int64_t kMc = 64;          // rows of x per chunk
 constexpr int64_t kAhead = 16;       // K rows prefetched ahead (48, 96: no faster)
@@ -131,6 +124,8 @@ void run_share(const float* x, int64_t m, int64_t k, const float* w, int64_t ldw
     }
   }
 }
+#else
+constexpr bool kBuilt = false;
 #endif
 
 }  // namespace

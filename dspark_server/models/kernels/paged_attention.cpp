@@ -221,7 +221,7 @@ inline float hmax(__m256 v) {
   return _mm_cvtss_f32(_mm_max_ss(m, _mm_shuffle_ps(m, m, 1)));
 }
 
-inline float hadd(__m256 v) {
+inline float hsum(__m256 v) {
   __m128 a = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
   a = _mm_add_ps(a, _mm_movehl_ps(a, a));
   return _mm_cvtss_f32(_mm_add_ss(a, _mm_shuffle_ps(a, a, 1)));
@@ -249,7 +249,7 @@ inline void softmax_update_avx2(Item& it, int64_t qv, const float* s, int64_t nv
   const __m256 p0 = _ZGVdN8v_expf(_mm256_sub_ps(s0, mv)), p1 = _ZGVdN8v_expf(_mm256_sub_ps(s1, mv));
   _mm256_storeu_ps(it.p + qv * kBlock, p0);
   _mm256_storeu_ps(it.p + qv * kBlock + 8, p1);
-  it.l[qv] += hadd(_mm256_add_ps(p0, p1));
+  it.l[qv] += hsum(_mm256_add_ps(p0, p1));
 }
 
 // Accumulator vectors per pass of pv_avx2 (up to 64 floats in 8 registers); 0: D does not split.
