@@ -205,12 +205,12 @@ def test_markov_w2_layouts_are_kept_side_by_side_and_rebuilt_when_w2_changes() -
     from dspark_server.models.drafter_heads import MarkovHead
 
     head = MarkovHead(160, 16)
-    packed, plain = head._w2_transposed(packed=True), head._w2_transposed(packed=False)
+    packed, plain = head._w2_transposed("bf16"), head._w2_transposed("f32")
     assert packed.dtype == torch.bfloat16 and plain.dtype == torch.float32
-    assert head._w2_transposed(packed=True) is packed and head._w2_transposed(packed=False) is plain
+    assert head._w2_transposed("bf16") is packed and head._w2_transposed("f32") is plain
     with torch.no_grad():
         head.markov_w2.weight.add_(1.0)
-    assert torch.equal(head._w2_transposed(packed=False), head.markov_w2.weight.detach().t())
-    new_packed = head._w2_transposed(packed=True)
+    assert torch.equal(head._w2_transposed("f32"), head.markov_w2.weight.detach().t())
+    new_packed = head._w2_transposed("bf16")
     assert new_packed is not packed
     assert torch.equal(new_packed, bf16_weights.packed(head.markov_w2.weight.detach().t().contiguous()))

@@ -16,15 +16,17 @@ through the rank-r bottleneck; nothing here materialises a V x V matrix.
 from __future__ import annotations
 
 import ctypes
-from typing import NamedTuple
+from typing import Literal, NamedTuple
 
 import numpy as np
 import torch
 from torch import nn
 
-from dspark_server.models import bf16_weights
+from dspark_server.models import bf16_weights, f32_weights
 from dspark_server.models.drafter_config import DraftConfig
 from dspark_server.models.kernel_library import blas_sgemm
+
+W2Layout = Literal["f32", "f32_packed", "bf16"]
 
 
 class _BlockArgs(NamedTuple):
@@ -45,10 +47,11 @@ class MarkovHead(nn.Module):
         self.rank = rank
         self.markov_w1 = nn.Embedding(vocab_size, rank)
         self.markov_w2 = nn.Linear(rank, vocab_size, bias=False)
-        # W2^T per layout (packed bf16 or float32) with the (address, version) of W2 it was made
-        # from: greedy blocks at few requests read the packed one, sampled and larger blocks the
-        # float32 one, and a step of each kind in turn must not rebuild either (~1.1 ms a time)
-        self._w2t: dict[bool, tuple[tuple[int, int], torch.Tensor]] = {}
+        # W2^T per layout (float32, its packed float32 panels, packed bf16) with the (address,
+        # version) of W2 it was made from: greedy blocks at few requests read the bf16 one under
+        # weight-only bf16, other blocks the float32 ones, and a step of each kind in turn must
+        # not rebuild any (~1.1 ms a time)
+        self._w2t: dict[W2Layout, tuple[tuple[int, int], torch.Tensor]] = {}
         self.bf16_rows = 0  # greedy_block: up to this many requests, W2^T in bf16 (serve_bf16)
 
     def serve_bf16(self, rows: int) -> None:
@@ -124,11 +127,11 @@ class MarkovHead(nn.Module):
         args = (r, g, v, self.rank, k.base.data_ptr(), k.anchors.data_ptr(), k.w1.data_ptr())
         threads = torch.get_num_threads()
         if r <= self.bf16_rows:
-            w2b = self._w2_transposed(packed=True)
+            w2b = self._w2_transposed("bf16")
             rc = lib.dspark_markov_greedy_bf16w(*args, w2b.data_ptr(), tokens.data_ptr(), threads)
         else:
-            w2t = self._w2_transposed()
-            rc = lib.dspark_markov_greedy_f32(k.sgemm, *args, w2t.data_ptr(), tokens.data_ptr(), threads)
+            w2t, w2p = self._w2_float32(lib)
+            rc = lib.dspark_markov_greedy_f32(k.sgemm, *args, w2t, w2p, tokens.data_ptr(), threads)
         if rc != 0:
             raise RuntimeError(f"greedy Markov head kernel failed with code {rc}")
         return tokens
@@ -156,8 +159,16 @@ class MarkovHead(nn.Module):
         u = uniforms.double().contiguous()
         tokens = torch.empty(r, g, dtype=torch.int64)
         probs = torch.empty(r, g, v, dtype=torch.float32)
-        w2t = self._w2_transposed()
-        args = (r, g, v, self.rank, k.base.data_ptr(), k.anchors.data_ptr(), k.w1.data_ptr(), w2t.data_ptr())
+        args = (
+            r,
+            g,
+            v,
+            self.rank,
+            k.base.data_ptr(),
+            k.anchors.data_ptr(),
+            k.w1.data_ptr(),
+            *self._w2_float32(lib),
+        )
         flags, keys = (None, None) if keyed is None else (np.ascontiguousarray(a) for a in keyed)
         seeded = (None, None) if flags is None or keys is None else (flags.ctypes.data, keys.ctypes.data)
         outs = (temps.data_ptr(), u.data_ptr(), *seeded, tokens.data_ptr(), probs.data_ptr())
@@ -166,16 +177,27 @@ class MarkovHead(nn.Module):
             raise RuntimeError(f"sampled Markov head kernel failed with code {rc}")
         return tokens, probs
 
-    def _w2_transposed(self, packed: bool = False) -> torch.Tensor:
-        """W2 [V, r] as a contiguous [r, V] copy (what the kernel streams), or that copy in
-        bf16 packed for linear_bf16.cpp; rebuilt if W2 changed."""
+    def _w2_transposed(self, layout: W2Layout = "f32") -> torch.Tensor:
+        """W2 [V, r] as a contiguous [r, V] copy (what the sgemm reads), or that copy packed for
+        linear_f32.cpp or, in bf16, for linear_bf16.cpp; rebuilt if W2 changed."""
         w2 = self.markov_w2.weight
         key = (w2.data_ptr(), w2._version)
-        cached = self._w2t.get(packed)
+        cached = self._w2t.get(layout)
         if cached is None or cached[0] != key:
             wt = w2.detach().t().contiguous()
-            cached = self._w2t[packed] = (key, bf16_weights.packed(wt) if packed else wt)
+            if layout == "f32_packed":
+                wt = f32_weights.packed(wt)
+            elif layout == "bf16":
+                wt = bf16_weights.packed(wt)
+            cached = self._w2t[layout] = (key, wt)
         return cached[1]
+
+    def _w2_float32(self, lib: ctypes.CDLL) -> tuple[int, int]:
+        """The addresses of W2^T and of its packed copy (0 where the float32 kernel does not serve)."""
+        w2t = self._w2_transposed("f32")
+        if not (f32_weights.kernel_serves(lib) and f32_weights.fits(w2t)):
+            return w2t.data_ptr(), 0
+        return w2t.data_ptr(), self._w2_transposed("f32_packed").data_ptr()
 
     def block_bias(self, prev_tokens: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
         """Teacher-forced biases for whole blocks: prev [..., g], hidden [..., g, H] -> [..., g, V]."""

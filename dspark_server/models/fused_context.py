@@ -7,7 +7,8 @@ and element-wise-kernel paths that is a GEMM through PyTorch plus two calls per 
 runs after every verification step for the few accepted tokens; at one request it cost about as
 much as the verification's arithmetic on the demo pair, and on the K=8 twin its float32 weight
 reads (fc and k|v: 82 MB) took 5 ms of a 32 ms step. ``FusedContextWrite`` runs the same steps in
-C++ with the fused forwards' GEMMs (float32 sgemm, or weight-only bf16 copies of fc and k|v).
+C++ with the fused forwards' GEMMs (float32, with packed copies of fc and k|v for the kernel of a
+few rows, or weight-only bf16 copies).
 """
 
 from __future__ import annotations
@@ -18,9 +19,9 @@ from dataclasses import dataclass
 
 import torch
 
-from dspark_server.models import bf16_weights
+from dspark_server.models import bf16_weights, f32_weights
 from dspark_server.models.attention import KVPool
-from dspark_server.models.fused_forward import LayerWeights, bf16_supported, cache_addresses, gemm_address
+from dspark_server.models.fused_forward import LayerWeights, bf16_supported, cache_addresses, gemm_addresses
 from dspark_server.models.kernel_library import blas_sgemm
 
 SYMBOL = "dspark_context_write_f32"
@@ -56,6 +57,7 @@ class FusedContextWrite:
         layers: Sequence[LayerWeights],
         inv_freq: torch.Tensor,
         bf16: bool,
+        packed_f32: bool = False,
     ) -> None:
         self.lib, self.sgemm, self.bf16, self.shape = lib, sgemm, bf16, shape
         self.context_dim = int(fc.shape[1])
@@ -64,7 +66,9 @@ class FusedContextWrite:
         self.hidden_norm = hidden_norm.detach().float().contiguous()
         held: list[torch.Tensor] = [self.inv_freq, self.hidden_norm]
         start, width = shape.kv_start, shape.kv_width
-        self.fc = gemm_address(fc.detach().t().contiguous(), bf16, held)  # [C, H]
+        self.fc, self.fc_packed = gemm_addresses(
+            fc.detach().t().contiguous(), bf16, packed_f32, held
+        )  # [C, H]
         table: list[int] = []
         for layer in layers:
             assert layer.qk_norm is not None  # build checks
@@ -72,9 +76,10 @@ class FusedContextWrite:
             assert wt.is_contiguous(), "the fused q|k|v weight must be in the serving layout"
             k_norm = layer.qk_norm[shape.heads[0] :].detach().float().contiguous()
             held += [wt, k_norm]
-            # float32: the k|v columns in place (row stride N); bf16: copies of just those columns
-            kv = gemm_address(wt[:, start : start + width], bf16, held)
-            table += [kv, width if bf16 else int(wt.shape[1]), k_norm.data_ptr()]
+            # float32: the k|v columns in place (row stride N), packed copies of just those columns;
+            # bf16: copies of just those columns
+            kv, kv_packed = gemm_addresses(wt[:, start : start + width], bf16, packed_f32, held)
+            table += [kv, width if bf16 else int(wt.shape[1]), kv_packed, k_norm.data_ptr()]
         self.layer_table = torch.tensor(table, dtype=torch.int64)
         self._held = held
         self._caches: tuple[KVPool, torch.Tensor] | None = None
@@ -102,12 +107,13 @@ class FusedContextWrite:
         sgemm = blas_sgemm()
         if sgemm is None:
             return None
-        bf16 = False
-        if weight_dtype == torch.bfloat16 and bf16_supported(lib):
-            start, width = shape.kv_start, shape.kv_width
-            kv = [layer.qkv.t()[:, start : start + width] for layer in layers]
-            bf16 = all(bf16_weights.fits(m) for m in [fc.t(), *kv])
-        return cls(lib, sgemm, shape, fc, hidden_norm, layers, inv_freq, bf16)
+        start, width = shape.kv_start, shape.kv_width
+        mats = [fc.t(), *(layer.qkv.t()[:, start : start + width] for layer in layers)]
+        bf16 = (
+            weight_dtype == torch.bfloat16 and bf16_supported(lib) and all(bf16_weights.fits(m) for m in mats)
+        )
+        packed_f32 = not bf16 and f32_weights.kernel_serves(lib) and all(f32_weights.fits(m) for m in mats)
+        return cls(lib, sgemm, shape, fc, hidden_norm, layers, inv_freq, bf16, packed_f32)
 
     def reads(self, pool: KVPool) -> bool:
         """Whether this write can store into ``pool`` (float32, or a bfloat16 KV cache)."""
@@ -131,6 +137,7 @@ class FusedContextWrite:
             feats.data_ptr(),
             self.context_dim,
             self.fc,
+            self.fc_packed,
             self.hidden_norm.data_ptr(),
             s.hidden,
             s.eps,

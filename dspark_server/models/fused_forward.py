@@ -10,9 +10,11 @@ It applies to float32 models without projection biases whose attention runs the 
 ``FusedForward.build`` returns None otherwise and the PyTorch path runs. The drafter's parallel
 block pass is the same forward in block mode (``FusedForward.block``).
 
-``weight_dtype=torch.bfloat16`` serves the GEMMs from weight-only bf16 copies (bf16_weights.py;
-half the bytes a forward reads, fp32 accumulation) on CPUs with AVX512-BF16; the model keeps
-its float32 weights, and activations, the KV cache and the logits stay float32.
+Float32 GEMMs of a few dozen rows read packed copies of the weights (f32_weights.py), larger
+ones the serving layout through the sgemm. ``weight_dtype=torch.bfloat16`` serves the GEMMs from
+weight-only bf16 copies instead (bf16_weights.py; half the bytes a forward reads, fp32
+accumulation) on CPUs with AVX512-BF16; the model keeps its float32 weights, and activations, the
+KV cache and the logits stay float32.
 """
 
 from __future__ import annotations
@@ -27,7 +29,7 @@ import torch
 from torch import nn
 
 from dspark_server.config import ModelConfig
-from dspark_server.models import bf16_weights
+from dspark_server.models import bf16_weights, f32_weights
 from dspark_server.models.attention import KVPool, PagedAttention, resolve_impl
 from dspark_server.models.drafter_config import DraftConfig
 from dspark_server.models.kernel_library import blas_sgemm
@@ -139,9 +141,17 @@ class FusedForward:
     ``use_kernels`` again to serve its new weights."""
 
     def __init__(
-        self, lib: ctypes.CDLL, sgemm: int, shape: DecoderShape, w: DecoderWeights, bf16: bool = False
+        self,
+        lib: ctypes.CDLL,
+        sgemm: int,
+        shape: DecoderShape,
+        w: DecoderWeights,
+        bf16: bool = False,
+        packed_f32: bool = False,
     ) -> None:
-        """``bf16``: serve the GEMMs from weight-only bf16 copies (packed for linear_bf16.cpp)."""
+        """``bf16``: serve the GEMMs from weight-only bf16 copies (packed for linear_bf16.cpp);
+        ``packed_f32``: keep float32 copies packed for linear_f32.cpp's kernel beside the serving
+        layout."""
         self.lib, self.sgemm, self.bf16 = lib, sgemm, bf16
         self.hidden, self.vocab, self.heads = shape.hidden, shape.vocab, shape.heads
         self.inter, self.eps = shape.intermediate, shape.eps
@@ -151,16 +161,15 @@ class FusedForward:
         self.final_norm = w.final_norm.detach()
         held: list[torch.Tensor] = []
 
-        def gemm_weight(m: torch.Tensor) -> int:
-            return gemm_address(_transposed(m), bf16, held)
+        def gemm_weight(m: torch.Tensor) -> tuple[int, int]:
+            return gemm_addresses(_transposed(m), bf16, packed_f32, held)
 
-        self.lm_wt = gemm_weight(w.lm_head)
+        self.lm_wt, self.lm_packed = gemm_weight(w.lm_head)
         ptrs: list[int] = []
         for lw in w.layers:
-            mats = [gemm_weight(m) for m in (lw.qkv, lw.o_proj, lw.gate_up, lw.down)]
+            qkv, o_proj, gate_up, down = (gemm_weight(m) for m in (lw.qkv, lw.o_proj, lw.gate_up, lw.down))
             qk = lw.qk_norm.data_ptr() if lw.qk_norm is not None else 0
-            ptrs += [lw.input_norm.data_ptr(), mats[0], qk, mats[1], lw.post_norm.data_ptr()]
-            ptrs += [mats[2], mats[3]]
+            ptrs += [lw.input_norm.data_ptr(), *qkv, qk, *o_proj, lw.post_norm.data_ptr(), *gate_up, *down]
         self.weights = torch.tensor(ptrs, dtype=torch.int64)
         self._held = (w, self.embed, self.final_norm, self.inv_freq, held)  # see the class doc
         self.num_layers = len(w.layers)
@@ -191,7 +200,11 @@ class FusedForward:
         if sgemm is None:
             return None
         bf16 = weight_dtype == torch.bfloat16 and bf16_supported(lib)
-        return cls(lib, sgemm, shape, w, bf16 and all(bf16_weights.fits(m.t()) for m in mats))
+        bf16 = bf16 and all(bf16_weights.fits(m.t()) for m in mats)
+        packed_f32 = (
+            not bf16 and f32_weights.kernel_serves(lib) and all(f32_weights.fits(m.t()) for m in mats)
+        )
+        return cls(lib, sgemm, shape, w, bf16, packed_f32)
 
     def applies(self, attn: object) -> bool:
         """Whether this forward can run over ``attn`` (a pool the paged kernel reads)."""
@@ -283,6 +296,7 @@ class FusedForward:
             caches.data_ptr(),
             self.final_norm.data_ptr(),
             self.lm_wt,
+            self.lm_packed,
             self.vocab,
             rows.data_ptr(),
             rows.shape[0],
@@ -318,11 +332,20 @@ class FusedForward:
         return self._caches[1]
 
 
-def gemm_address(wt: torch.Tensor, bf16: bool, held: list[torch.Tensor]) -> int:
-    """The address a fused call's GEMM reads for the [K, N] weight ``wt``: ``wt`` itself in
-    float32, its packed bf16 copy (kept in ``held``) for weight-only bf16."""
-    held.append(bf16_weights.packed(wt) if bf16 else wt)
-    return held[-1].data_ptr()
+def gemm_addresses(
+    wt: torch.Tensor, bf16: bool, packed_f32: bool, held: list[torch.Tensor]
+) -> tuple[int, int]:
+    """The two addresses a fused call's GEMM reads for the [K, N] weight ``wt`` (kernels/gemm.h):
+    in float32 ``wt`` itself and its copy packed for linear_f32.cpp (0 unless ``packed_f32``);
+    for weight-only bf16 its packed bf16 copy and 0. Copies are kept in ``held``."""
+    if bf16:
+        held.append(bf16_weights.packed(wt))
+        return held[-1].data_ptr(), 0
+    held.append(wt)
+    if not packed_f32:
+        return wt.data_ptr(), 0
+    held.append(f32_weights.packed(wt))
+    return wt.data_ptr(), held[-1].data_ptr()
 
 
 def cache_addresses(pool: KVPool, num_layers: int) -> torch.Tensor:

@@ -157,30 +157,29 @@ SIGNATURES = {  # every function returns an int status (0: done)
     "dspark_silu_mul": [_C, _P, _P, _I, _I, _C],
     # sgemm; tokens, ids, positions, slot_mapping, kv_slots; kmax, q_start, q_len, kv_limit; nseq;
     # embed; hidden, layers, hq, hkv, d, inter; eps, qk_eps; inv_freq, weights, caches, final_norm,
-    # lm_wt; vocab; rows; nrows; logits; capture; ncap; hidden_out; block_mode; normed_out; threads;
-    # weight_bf16; kv_bf16
+    # lm_wt, lm_packed; vocab; rows; nrows; logits; capture; ncap; hidden_out; block_mode; normed_out;
+    # threads; weight_bf16; kv_bf16
     "dspark_decoder_forward_f32": [_P, _I, *[_P] * 4, _I, *[_P] * 3, _I, _P, *[_I] * 6, _F, _F]
-    + [*[_P] * 5, _I, _P, _I, _P, _P, _I, _P, _C, _P, _C, _C, _C],
-    # sgemm; weight_bf16; tokens; features; cdim; fc, hidden_norm; hidden; eps;
+    + [*[_P] * 6, _I, _P, _I, _P, _P, _I, _P, _C, _P, _C, _C, _C],
+    # sgemm; weight_bf16; tokens; features; cdim; fc, fc_packed, hidden_norm; hidden; eps;
     # layers, hkv, d; k_eps; inv_freq, layer_table, positions, slots, caches; threads; kv_bf16
-    "dspark_context_write_f32": [_P, _C, _I, _P, _I, *[_P] * 2, _I, _F, *[_I] * 3, _F, *[_P] * 5, _C, _C],
-    # sgemm; rows, g, vocab, rank; base, anchors, w1, w2, tokens; threads
-    "dspark_markov_greedy_f32": [_P, *[_I] * 4, *[_P] * 5, _C],
+    "dspark_context_write_f32": [_P, _C, _I, _P, _I, *[_P] * 3, _I, _F, *[_I] * 3, _F, *[_P] * 5, _C, _C],
+    # sgemm; rows, g, vocab, rank; base, anchors, w1, w2t, w2t packed (or null), tokens; threads
+    "dspark_markov_greedy_f32": [_P, *[_I] * 4, *[_P] * 6, _C],
     # rows, g, vocab, rank; base, anchors, w1, w2 (bf16), tokens; threads
     "dspark_markov_greedy_bf16w": [*[_I] * 4, *[_P] * 5, _C],
-    # sgemm; rows, g, vocab, rank; base, anchors, w1, w2t, temperatures, uniforms (float64), keyed
-    # (uint8), keys (uint64), tokens, probs; threads
-    "dspark_markov_sample_f32": [_P, *[_I] * 4, *[_P] * 10, _C],
+    # sgemm; rows, g, vocab, rank; base, anchors, w1, w2t, w2t packed (or null), temperatures,
+    # uniforms (float64), keyed (uint8), keys (uint64), tokens, probs; threads
+    "dspark_markov_sample_f32": [_P, *[_I] * 4, *[_P] * 11, _C],
     # x; m, k; packed bf16 weight; n; out; accumulate; threads
     "dspark_linear_bf16": [_P, _I, _I, _P, _I, _P, _C, _C],
     # the same; variant: 0 dot (VDPBF16PS), 1 fma (float32 FMAs)
     "dspark_linear_bf16_variant": [_P, _I, _I, _P, _I, _P, _C, _C, _C],
     "dspark_bf16_gemm_variant": [],
     "dspark_has_bf16": [],
-    # x; m, k; float32 weight [k, n]; its row stride; n; out; accumulate; threads
-    "dspark_linear_f32": [_P, _I, _I, _P, _I, _I, _P, _C, _C],
+    # x; m, k; packed float32 weight (f32_weights.py); n; out; accumulate; threads
+    "dspark_linear_f32": [_P, _I, _I, _P, _I, _P, _C, _C],
     "dspark_has_linear_f32": [],
-    "dspark_f32_gemm_kernel": [],
     # logits; rows, vocab; temperatures, uniforms (float64), keyed (uint8), keys (uint64), out; threads
     "dspark_sample_temperature": [_P, _I, _I, *[_P] * 5, _C],
     # weights; rows, vocab; keys (uint64), out; threads

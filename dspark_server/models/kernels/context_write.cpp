@@ -3,7 +3,7 @@
 // every draft layer stores K = rope(k_norm(k_proj(c))) and V = v_proj(c) at the positions' slots
 // of the drafter's pool — the steps of drafter.write_context's kernel path (fc, RMSNorm, then per
 // layer the k|v columns of the fused q|k|v weight and the K/V store), with the same GEMM
-// (gemm.h: float32 sgemm, or weight-only bf16) as the fused forwards. After every verification
+// (gemm.h: float32 kernel or sgemm, or weight-only bf16) as the fused forwards. After every verification
 // step it writes the accepted tokens (a few rows), after a prefill chunk the whole chunk. With
 // kv_bf16 the pool is bfloat16 (--kv-cache-dtype): keys and values are rounded as they are stored.
 #include <stdint.h>
@@ -14,16 +14,16 @@
 
 namespace {
 // Per layer, in this order: the k|v weight (float32 [K, ld] slice, or its packed bf16 blocks),
-// the row stride ld of the full q|k|v weight (float32), the k norm weights [hkv, d] (or 0: no k
-// norm).
-constexpr int kLayerEntries = 3;
+// the row stride ld of the full q|k|v weight (float32), the k|v columns' packed float32 copy (or
+// 0: none), the k norm weights [hkv, d] (or 0: no k norm).
+constexpr int kLayerEntries = 4;
 }  // namespace
 
 extern "C" {
 
 // Returns 0, or 1 for a bad argument, or the first failing kernel's code + 10.
 int dspark_context_write_f32(void* sgemm_fn, int weight_bf16, int64_t tokens, const float* features,
-                             int64_t cdim, const void* fc_w, const float* norm_w, int64_t hidden,
+                             int64_t cdim, const void* fc_w, const float* fc_packed, const float* norm_w, int64_t hidden,
                              float eps, int64_t layers, int64_t hkv, int64_t d, float qk_eps, const float* inv_freq,
                              const int64_t* layer_table, const int64_t* positions, const int64_t* slots,
                              const int64_t* caches, int nthreads, int kv_bf16) {
@@ -33,7 +33,7 @@ int dspark_context_write_f32(void* sgemm_fn, int weight_bf16, int64_t tokens, co
   if (!buf) return 1;
   const dspark::Gemms g{reinterpret_cast<dspark::Sgemm>(sgemm_fn), weight_bf16 != 0, nthreads};
   float *x = buf, *ctx = x + tokens * hidden, *kv = ctx + tokens * hidden;
-  int rc = dspark::linear(g, features, tokens, cdim, fc_w, hidden, x, false);
+  int rc = dspark::linear(g, features, tokens, cdim, fc_w, fc_packed, hidden, x, false);
   if (rc == 0) rc = dspark_rms_norm(0, x, nullptr, nullptr, norm_w, ctx, tokens, hidden, eps, nthreads);
   for (int64_t l = 0; l < layers && rc == 0; ++l) {
     const int64_t* e = layer_table + l * kLayerEntries;
@@ -42,9 +42,9 @@ int dspark_context_write_f32(void* sgemm_fn, int weight_bf16, int64_t tokens, co
       rc = 1;
       break;
     }
-    if ((rc = dspark::linear(g, ctx, tokens, hidden, w, kv_w, kv, false, e[1]))) break;
+    if ((rc = dspark::linear(g, ctx, tokens, hidden, w, reinterpret_cast<const float*>(e[2]), kv_w, kv, false, e[1]))) break;
     rc = dspark_qk_norm_rope_store(kv_bf16 ? 2 : 0, kv, tokens, 0, hkv, d, positions, inv_freq,
-                                   reinterpret_cast<const void*>(e[2]), qk_eps, slots,
+                                   reinterpret_cast<const void*>(e[3]), qk_eps, slots,
                                    reinterpret_cast<void*>(caches[2 * l]), reinterpret_cast<void*>(caches[2 * l + 1]),
                                    nullptr, nthreads);
   }

@@ -9,7 +9,9 @@
 // the same element-wise and attention kernels (layer_ops.cpp, paged_attention.cpp) and the same
 // BLAS sgemm PyTorch's linear layers call, whose address the caller passes (PyTorch's own MKL),
 // so no BLAS is linked here. Weights are in the serving layout (layers.py: a float32 [N, K]
-// weight stored column-major, i.e. its [K, N] transpose contiguous).
+// weight stored column-major, i.e. its [K, N] transpose contiguous), each with its copy in
+// linear_f32.cpp's packed panels (or none) for the kernel that serves the few rows of decoding
+// and verification (gemm.h).
 //
 // Weight-only bf16 (weight_bf16 = 1): every GEMM weight is bfloat16 in linear_bf16.cpp's packed
 // layout, for decode, verification blocks and prefill chunks alike (gemm.h). Activations, norms
@@ -30,9 +32,11 @@ using dspark::Gemms;
 using dspark::linear;
 using dspark::Sgemm;
 
-// Per layer, in this order: input norm, qkv weight (transposed), q/k norm weights [hq + hkv, d]
-// (or 0: no q/k norm), output weight, post-attention norm, gate|up weight, down weight.
-constexpr int kLayerWeights = 7;
+// Per layer, in this order: input norm, qkv weight (transposed) and its packed copy, q/k norm
+// weights [hq + hkv, d] (or 0: no q/k norm), output weight and its packed copy, post-attention
+// norm, gate|up weight and its packed copy, down weight and its packed copy (a packed copy 0:
+// none, the sgemm serves).
+constexpr int kLayerWeights = 11;
 
 }  // namespace
 
@@ -47,14 +51,14 @@ int dspark_decoder_forward_f32(
     // the model
     const float* embed, int64_t hidden, int64_t layers, int64_t hq, int64_t hkv, int64_t d, int64_t inter,
     float eps, float qk_eps, const float* inv_freq, const int64_t* weights, const int64_t* caches,
-    const float* final_norm, const float* lm_wt, int64_t vocab,
+    const float* final_norm, const float* lm_wt, const float* lm_packed, int64_t vocab,
     // outputs: logits of `rows`, and the outputs of the layers with capture[i] >= 0 at column block capture[i]
     const int64_t* rows, int64_t nrows, float* logits, const int64_t* capture, int64_t ncap, float* hidden_out,
     // block mode (the drafter's block): new keys / values are not stored in the pool but attended
     // to, unmasked, by the queries of their own sequence (slot_mapping unused); normed_out: the
     // final norm's output of `rows` [nrows, hidden], or null
     int block_mode, float* normed_out, int nthreads,
-    // weight-only bf16: `weights` and `lm_wt` point to packed bf16 layouts
+    // weight-only bf16: `weights` and `lm_wt` point to packed bf16 layouts (no float32 copies)
     int weight_bf16,
     // a bfloat16 KV pool (`caches`): keys and values are rounded to bf16 as they are stored and
     // read back as float32 (block mode's own keys and values stay float32 either way)
@@ -90,22 +94,22 @@ int dspark_decoder_forward_f32(
     void* vc = reinterpret_cast<void*>(caches[2 * l + 1]);
     rc = dspark_rms_norm(0, x, nullptr, nullptr, w[0], h, tokens, hidden, eps, nthreads);
     if (rc) break;
-    if ((rc = linear(g, h, tokens, hidden, w[1], qkv_w, wide, false))) break;
-    rc = dspark_qk_norm_rope_store(block_mode || !kv_bf16 ? 0 : 2, wide, tokens, hq, hkv, d, positions, inv_freq, w[2], qk_eps,
+    if ((rc = linear(g, h, tokens, hidden, w[1], w[2], qkv_w, wide, false))) break;
+    rc = dspark_qk_norm_rope_store(block_mode || !kv_bf16 ? 0 : 2, wide, tokens, hq, hkv, d, positions, inv_freq, w[3], qk_eps,
                                    block_mode ? self_slots : slot_mapping, block_mode ? kx : kc,
                                    block_mode ? vx : vc, q, nthreads);
     if (rc) break;
     rc = dspark_paged_attention(kv_bf16 ? 2 : 0, q, kc, vc, kv_slots, kmax, q_start, q_len, kv_limit, kx, vx, nseq, hq, hkv, d, scale,
                                 att, nullptr, nthreads);
     if (rc) break;
-    if ((rc = linear(g, att, tokens, hq * d, w[3], hidden, tmp, false))) break;
+    if ((rc = linear(g, att, tokens, hq * d, w[4], w[5], hidden, tmp, false))) break;
     // x + attention, then its norm (the residual rounded before the norm, as the PyTorch path)
-    rc = dspark_rms_norm(0, x, tmp, x, w[4], h, tokens, hidden, eps, nthreads);
+    rc = dspark_rms_norm(0, x, tmp, x, w[6], h, tokens, hidden, eps, nthreads);
     if (rc) break;
-    if ((rc = linear(g, h, tokens, hidden, w[5], 2 * inter, wide, false))) break;
+    if ((rc = linear(g, h, tokens, hidden, w[7], w[8], 2 * inter, wide, false))) break;
     rc = dspark_silu_mul(0, wide, mid, tokens, inter, nthreads);
     if (rc) break;
-    if ((rc = linear(g, mid, tokens, inter, w[6], hidden, tmp, false))) break;
+    if ((rc = linear(g, mid, tokens, inter, w[9], w[10], hidden, tmp, false))) break;
     for (int64_t i = 0; i < tokens * hidden; ++i) x[i] += tmp[i];
     if (capture && capture[l] >= 0 && capture[l] < ncap)
       for (int64_t t = 0; t < tokens; ++t)
@@ -115,7 +119,7 @@ int dspark_decoder_forward_f32(
     for (int64_t r = 0; r < nrows; ++r) memcpy(tmp + r * hidden, x + rows[r] * hidden, sizeof(float) * hidden);
     rc = dspark_rms_norm(0, tmp, nullptr, nullptr, final_norm, h, nrows, hidden, eps, nthreads);
     if (rc == 0 && normed_out) memcpy(normed_out, h, sizeof(float) * nrows * hidden);
-    if (rc == 0) rc = linear(g, h, nrows, hidden, lm_wt, vocab, logits, false);
+    if (rc == 0) rc = linear(g, h, nrows, hidden, lm_wt, lm_packed, vocab, logits, false);
   }
   free(kx);
   free(self_slots);

@@ -70,16 +70,17 @@ int dspark_markov_greedy_bf16w(int64_t rows, int64_t g, int64_t vocab, int64_t r
 }
 
 // base [R, g, V] (U_k per position), anchors [R], w1 [V, r] row-major, w2t [r, V] (W2 transposed,
-// contiguous) -> tokens [R, g]. Returns 0, or 1 for a bad argument.
+// contiguous) and its packed copy w2p (linear_f32.cpp's panels, or null) -> tokens [R, g].
+// Returns 0, or 1 for a bad argument.
 int dspark_markov_greedy_f32(void* sgemm_fn, int64_t rows, int64_t g, int64_t vocab, int64_t rank, const float* base,
-                             const int64_t* anchors, const float* w1, const float* w2t, int64_t* tokens,
+                             const int64_t* anchors, const float* w1, const float* w2t, const float* w2p, int64_t* tokens,
                              int nthreads) {
   dspark::Sgemm sgemm = reinterpret_cast<dspark::Sgemm>(sgemm_fn);
   if (!sgemm || rows <= 0 || g <= 0 || vocab <= 0 || rank <= 0) return 1;
   for (int64_t i = 0; i < rows; ++i)
     if (anchors[i] < 0 || anchors[i] >= vocab) return 1;
   const dspark::Gemms gemms{sgemm, false, nthreads};
-  dspark::MarkovBlock block(rows, g, vocab, rank, base, w1, w2t);
+  dspark::MarkovBlock block(rows, g, vocab, rank, base, w1, w2t, w2p);
   if (!block.start(anchors)) return 1;
   float *z = block.z, *logits = block.logits;
   int64_t* prev = block.prev;

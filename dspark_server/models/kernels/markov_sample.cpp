@@ -34,10 +34,11 @@ int64_t softmax_draw(const float* x, int64_t vocab, float t, double u, bool keye
 extern "C" {
 
 // base [R, g, V] (U_k per position), anchors [R], w1 [V, r] row-major, w2t [r, V] (W2 transposed,
-// contiguous), temps [R] (> 0), uniforms [R, g] in [0, 1), keyed [R] and keys [R, g] (both null
-// when no row is seeded) -> tokens [R, g], probs [R, g, V]. Returns 0, or 1 for a bad argument.
+// contiguous) and its packed copy w2p (linear_f32.cpp's panels, or null), temps [R] (> 0),
+// uniforms [R, g] in [0, 1), keyed [R] and keys [R, g] (both null when no row is seeded) ->
+// tokens [R, g], probs [R, g, V]. Returns 0, or 1 for a bad argument.
 int dspark_markov_sample_f32(void* sgemm_fn, int64_t rows, int64_t g, int64_t vocab, int64_t rank,
-                             const float* base, const int64_t* anchors, const float* w1, const float* w2t,
+                             const float* base, const int64_t* anchors, const float* w1, const float* w2t, const float* w2p,
                              const float* temps, const double* uniforms, const uint8_t* keyed,
                              const uint64_t* keys, int64_t* tokens, float* probs, int nthreads) {
   dspark::Sgemm sgemm = reinterpret_cast<dspark::Sgemm>(sgemm_fn);
@@ -49,7 +50,7 @@ int dspark_markov_sample_f32(void* sgemm_fn, int64_t rows, int64_t g, int64_t vo
       if (!(uniforms[i * g + k] >= 0.0 && uniforms[i * g + k] < 1.0)) return 1;
   }
   const dspark::Gemms gemms{sgemm, false, nthreads};
-  dspark::MarkovBlock block(rows, g, vocab, rank, base, w1, w2t);
+  dspark::MarkovBlock block(rows, g, vocab, rank, base, w1, w2t, w2p);
   if (!block.start(anchors)) return 1;
   for (int64_t k = 0; k < g; ++k) {
     block.embed_prev();
