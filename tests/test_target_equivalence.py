@@ -203,3 +203,33 @@ def test_a_model_with_attention_biases_keeps_the_layer_kernels(tmp_path: Path) -
     with torch.no_grad():
         got = ours(batch.input_ids, batch.positions, batch.attention(pool)).logits
     torch.testing.assert_close(got, _hf_logits(hf, ids), atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("setting", ["", "blas"])
+def test_fused_float32_gemms_read_packed_copies_where_the_shapes_fit(
+    tmp_path: Path, setting: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Float32 GEMMs of a few rows run kernels/linear_f32.cpp on packed copies of the weights:
+    every layer weight here (N a multiple of 8) has one, the LM head (97 columns) does not and
+    the sgemm serves it, and DSPARK_F32_GEMM=blas keeps no copies. Either way the logits match
+    transformers."""
+    from dspark_server.models import f32_weights
+
+    lib = load_library()
+    if lib is None or not lib.dspark_has_linear_f32():
+        pytest.skip("no kernel library built for AVX2 + FMA here")
+    monkeypatch.setenv("DSPARK_F32_GEMM", setting)
+    model_dir, hf = _save_hf(tmp_path, "qwen3")
+    ours = load_target(model_dir)
+    ours.use_kernels(lib, fused=True)
+    fused = ours._fused
+    assert fused is not None and fused.lm_packed == 0
+    table = fused.weights.view(-1, 11)  # per layer: norm, qkv, packed, qk norm, o, packed, norm, ...
+    packed = table[:, [2, 5, 8, 10]]
+    assert bool((packed != 0).all()) if setting == "" else bool((packed == 0).all())
+    assert f32_weights.kernel_serves(lib) == (setting == "")
+    ids = list(range(3, 20))
+    batch, pool = _prefill(ids)
+    with torch.no_grad():
+        got = ours(batch.input_ids, batch.positions, batch.attention(pool)).logits
+    torch.testing.assert_close(got, _hf_logits(hf, ids), atol=1e-4, rtol=1e-4)

@@ -25,7 +25,9 @@ from tools.bf16_gemm_ab import median_seconds
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--rows", type=int, nargs="+", default=[1, 4, 8, 16, 32, 64, 128])
-    p.add_argument("--shapes", nargs="+", default=["256x6144", "576x256", "2048x9216", "4608x2048"], help="KxN")
+    p.add_argument(
+        "--shapes", nargs="+", default=["256x6144", "576x256", "2048x9216", "4608x2048"], help="KxN"
+    )
     p.add_argument("--threads", type=int, default=torch.get_num_threads())
     p.add_argument("--repeats", type=int, default=30)
     a = p.parse_args(argv)

@@ -112,7 +112,7 @@ class FusedContextWrite:
         bf16 = (
             weight_dtype == torch.bfloat16 and bf16_supported(lib) and all(bf16_weights.fits(m) for m in mats)
         )
-        packed_f32 = not bf16 and f32_weights.kernel_serves(lib) and all(f32_weights.fits(m) for m in mats)
+        packed_f32 = not bf16 and f32_weights.kernel_serves(lib)
         return cls(lib, sgemm, shape, fc, hidden_norm, layers, inv_freq, bf16, packed_f32)
 
     def reads(self, pool: KVPool) -> bool:

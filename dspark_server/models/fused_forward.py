@@ -201,10 +201,7 @@ class FusedForward:
             return None
         bf16 = weight_dtype == torch.bfloat16 and bf16_supported(lib)
         bf16 = bf16 and all(bf16_weights.fits(m.t()) for m in mats)
-        packed_f32 = (
-            not bf16 and f32_weights.kernel_serves(lib) and all(f32_weights.fits(m.t()) for m in mats)
-        )
-        return cls(lib, sgemm, shape, w, bf16, packed_f32)
+        return cls(lib, sgemm, shape, w, bf16, not bf16 and f32_weights.kernel_serves(lib))
 
     def applies(self, attn: object) -> bool:
         """Whether this forward can run over ``attn`` (a pool the paged kernel reads)."""
@@ -336,13 +333,14 @@ def gemm_addresses(
     wt: torch.Tensor, bf16: bool, packed_f32: bool, held: list[torch.Tensor]
 ) -> tuple[int, int]:
     """The two addresses a fused call's GEMM reads for the [K, N] weight ``wt`` (kernels/gemm.h):
-    in float32 ``wt`` itself and its copy packed for linear_f32.cpp (0 unless ``packed_f32``);
-    for weight-only bf16 its packed bf16 copy and 0. Copies are kept in ``held``."""
+    in float32 ``wt`` itself and its copy packed for linear_f32.cpp (0 unless ``packed_f32`` and
+    the shape fits the kernel: the sgemm then serves every M); for weight-only bf16 its packed
+    bf16 copy and 0. Copies are kept in ``held``."""
     if bf16:
         held.append(bf16_weights.packed(wt))
         return held[-1].data_ptr(), 0
     held.append(wt)
-    if not packed_f32:
+    if not (packed_f32 and f32_weights.fits(wt)):
         return wt.data_ptr(), 0
     held.append(f32_weights.packed(wt))
     return wt.data_ptr(), held[-1].data_ptr()
