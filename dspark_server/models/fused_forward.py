@@ -10,7 +10,7 @@ It applies to float32 models without projection biases whose attention runs the 
 ``FusedForward.build`` returns None otherwise and the PyTorch path runs. The drafter's parallel
 block pass is the same forward in block mode (``FusedForward.block``).
 
-Float32 GEMMs of a few dozen rows read packed copies of the weights (f32_weights.py), larger
+Float32 GEMMs of up to a few hundred rows read packed copies of the weights (f32_weights.py), larger
 ones the serving layout through the sgemm. ``weight_dtype=torch.bfloat16`` serves the GEMMs from
 weight-only bf16 copies instead (bf16_weights.py; half the bytes a forward reads, fp32
 accumulation) on CPUs with AVX512-BF16; the model keeps its float32 weights, and activations, the

@@ -1,6 +1,6 @@
 // The GEMM the fused calls (decoder_forward.cpp, context_write.cpp, markov.h) run: out[M, N]
 // (+)= x[M, K] times a weight, float32 through linear_f32.cpp's kernel on the weight's packed
-// copy up to a few dozen rows (decoding, verification, small prefill chunks) and through the
+// copy up to a few hundred rows (decoding, verification, prefill chunks) and through the
 // BLAS sgemm whose address the caller passes (PyTorch's own MKL) on the serving layout above
 // them, or weight-only bf16 through linear_bf16.cpp's packed kernel at every M. MKL's own bf16
 // GEMM is not used: on an AMD EPYC with AVX512-BF16 it took a generic path no faster than float32
@@ -21,12 +21,14 @@ namespace dspark {
 
 // Float32 GEMMs of up to this many rows run linear_f32.cpp's kernel on the packed copy, larger
 // ones the BLAS sgemm on the serving layout: MKL packs the weight on every call, a cost that does
-// not grow with the rows, and its packed loop then overtakes the kernel's. On the 2-core AMD EPYC
-// of linear_f32.cpp, two threads, us of sgemm / kernel at 1, 8, 32, 64, 128, 512 rows
-// (`python -m tools.f32_gemm_ab --rows 1 8 32 64 128 512`): K 256 x N 6144: 182 / 81, 613 / 215,
-// 1005 / 711, 1810 / 1432, 3149 / 2853, 9847 / 11659; K 2048 x N 9216: 2663 / 1028, 8386 / 3436,
-// 13324 / 10037, 20428 / 18517, 33540 / 35864, 119343 / 146122.
-inline int64_t f32_kernel_rows(int64_t k) { return k >= 1024 ? 64 : 128; }
+// not grow with the rows, and its packed loop then catches up with the kernel's. On the 2-core
+// AMD EPYC (Zen 3, AVX2) of linear_f32.cpp, two threads, us of sgemm / kernel at 1, 8, 32, 128,
+// 256, 512 rows (`python -m tools.f32_gemm_ab --rows 1 8 32 128 256 512`): K 256 x N 6144: 185 /
+// 138, 864 / 285, 990 / 524, 4545 / 2101, 5875 / 4259, 10616 / 8818; K 2048 x N 9216: 2765 /
+// 1687, 10799 / 4039, 17075 / 8591, 38762 / 28848, 67478 / 57174, 127840 / 117417. A CPU with
+// AVX-512 gives MKL twice the vector width the kernel uses, hence the sgemm from a few hundred
+// rows on (prefill chunks and the largest batches).
+inline int64_t f32_kernel_rows(int64_t k) { return k >= 1024 ? 128 : 256; }
 
 // Fortran BLAS sgemm (LP64), column-major.
 using Sgemm = void (*)(const char*, const char*, const int*, const int*, const int*, const float*, const float*,

@@ -1,5 +1,5 @@
 // out[M, N] (+)= x[M, K] @ W for float32 weights packed in column panels (f32_weights.py): the
-// fused forward's GEMMs (gemm.h) up to a few dozen rows, where the CPU has AVX2 + FMA.
+// fused forward's GEMMs (gemm.h) up to a few hundred rows, where the CPU has AVX2 + FMA.
 //
 // Layout: panels of kPanel = 24 columns (three 8-lane vectors), the last one 8 or 16 wide when N
 // is not a multiple of 24; panel p holds columns [24 p, 24 p + w) row after row,
@@ -11,13 +11,13 @@
 // (packs) the whole weight on every call instead. On a 2-core AMD EPYC without AVX-512, the K = 8
 // twin's GEMMs of one forward (176M weights, 705 MB, two threads), ms at 1 / 2 / 4 / 8 rows:
 // strided panels 28 / 38 / 54 / 90, these packed ones 14-16 / 16 / 22-24 / 39 (one row then
-// reads about 45 GB/s). MKL's own packed loop is faster again from about 48 rows at K >= 1024
-// and 128 at K 256 (gemm.h).
+// reads about 45 GB/s). MKL's own packed loop catches up at a few hundred rows (gemm.h).
 //
 // Blocking: threads take disjoint ranges of panels, so they never share an output. One to three
 // rows: a tile covers 4 / 2 / 1 panels (12 / 12 / 9 accumulators of 16 registers) over all of K.
 // Four rows or more: per panel, K in steps of kKc (the panel's slice, 24 KB, stays in L1) while
-// row blocks of at most four rows, as even as possible, pass over it.
+// row blocks of at most four rows, as even as possible, pass over it (three-row blocks, whose
+// FMAs have registers to spare, were no faster).
 //
 // Every output is one chain of FMAs over k = 0, 1, ..., K - 1 from 0 (or from out, when
 // accumulating), whatever M, the blocking or the thread count: a row's result does not depend on
@@ -61,7 +61,14 @@ void tile(const float* x, int64_t ldx, const float* w, int64_t pstride, int64_t 
   for (int64_t k = 0; k < kc; ++k) {
     Vec b[NP][NV];
     for (int j = 0; j < NP; ++j)
-      for (int v = 0; v < NV; ++v) b[j][v] = load(w + j * pstride + k * width + v * kLanes);
+      for (int v = 0; v < NV; ++v) {
+        b[j][v] = load(w + j * pstride + k * width + v * kLanes);
+        // several rows: b stays in a register. Left to itself GCC folds the load into each row's
+        // FMA (12 accumulators + 3 b + 1 broadcast fill all 16 registers), so a 4-row step
+        // issued 16 loads for 12 FMAs and waited on the load ports: the K=8 twin's GEMMs of one
+        // forward at 8 / 16 rows took 40-45 / 69-74 ms, with b held 31-34 / 46-51
+        if constexpr (MR > 1) asm("" : "+x"(b[j][v]));
+      }
     for (int r = 0; r < MR; ++r) {
       const Vec a = _mm256_set1_ps(x[r * ldx + k]);
       for (int j = 0; j < NP; ++j)
