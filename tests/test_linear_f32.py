@@ -115,6 +115,33 @@ def test_blas_setting_keeps_no_packed_copies(monkeypatch: pytest.MonkeyPatch) ->
 
 
 @needs_kernel
+@pytest.mark.parametrize("packed", [True, False])
+def test_greedy_markov_block_reads_w2_packed_as_decided_at_serving(packed: bool) -> None:
+    """The greedy Markov block kernel reads W2^T's packed copy when serving decided so (once, in
+    ``DSparkDrafter.use_kernels``), the sgemm's layout otherwise; its tokens are the argmax of
+    U_k + W2 W1[x_{k-1}] either way, rows of 1 and of 9 requests (the kernel and the sgemm)."""
+    from dspark_server.models.drafter_heads import MarkovHead
+
+    torch.manual_seed(3)
+    vocab, rank = 160, 16  # N = vocab: a multiple of 8, so the packed copy fits
+    head = MarkovHead(vocab, rank)
+    head.serve_packed_f32(packed)
+    for rows in (1, 9):
+        g = torch.Generator().manual_seed(rows)
+        base = torch.randn(rows, 7, vocab, generator=g) * 0.3  # small: the bias decides
+        anchors = torch.randint(0, vocab, (rows,), generator=g)
+        with torch.no_grad():
+            got = head.greedy_block(LIB, base, anchors)
+            w1, w2 = head.markov_w1.weight.double(), head.markov_w2.weight.double()
+            want, prev = [], anchors
+            for k in range(7):
+                prev = (base[:, k].double() + w1[prev] @ w2.T).argmax(-1)
+                want.append(prev)
+        assert got is not None and torch.equal(got, torch.stack(want, dim=1))
+    assert ("f32_packed" in head._w2t) == packed
+
+
+@needs_kernel
 def test_ctypes_signature_is_registered() -> None:
     assert LIB is not None
     args = LIB.dspark_linear_f32.argtypes

@@ -27,7 +27,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.nn.utils.rnn import pad_sequence
 
-from dspark_server.models import bf16_weights, layer_ops
+from dspark_server.models import bf16_weights, f32_weights, layer_ops
 from dspark_server.models.attention import KVPool, resolve_impl
 from dspark_server.models.drafter_attention import gather_attends, paged_block_attend
 from dspark_server.models.drafter_config import DraftConfig
@@ -141,6 +141,7 @@ class DSparkDrafter(nn.Module):
             w2 = self.markov_head.markov_w2.weight
             bf16 = weight_dtype == torch.bfloat16 and bf16_supported(lib) and bf16_weights.fits(w2.t())
             self.markov_head.serve_bf16(GREEDY_BF16_ROWS if bf16 else 0)
+            self.markov_head.serve_packed_f32(f32_weights.kernel_serves(lib))
         layers = serving_layer_weights(cast("list[DraftLayer]", self.layers)) if fused else None
         if layers is None:
             self._fused = self._fused_context = None

@@ -53,11 +53,18 @@ class MarkovHead(nn.Module):
         # not rebuild any (~1.1 ms a time)
         self._w2t: dict[W2Layout, tuple[tuple[int, int], torch.Tensor]] = {}
         self.bf16_rows = 0  # greedy_block: up to this many requests, W2^T in bf16 (serve_bf16)
+        self.packed_f32 = False  # the float32 block kernels read W2^T's packed copy (serve_packed_f32)
 
     def serve_bf16(self, rows: int) -> None:
         """Weight-only bf16 serving: ``greedy_block`` reads W2^T in bfloat16 for blocks of up to
         ``rows`` requests (0: float32 always)."""
         self.bf16_rows = rows
+        self._w2t = {}
+
+    def serve_packed_f32(self, on: bool) -> None:
+        """Whether the float32 block kernels read a packed copy of W2^T (models/f32_weights.py;
+        where W2^T's shape fits), decided once with the library the drafter serves with."""
+        self.packed_f32 = on
         self._w2t = {}
 
     def prev_embed(self, prev_tokens: torch.Tensor) -> torch.Tensor:
@@ -130,7 +137,7 @@ class MarkovHead(nn.Module):
             w2b = self._w2_transposed("bf16")
             rc = lib.dspark_markov_greedy_bf16w(*args, w2b.data_ptr(), tokens.data_ptr(), threads)
         else:
-            w2t, w2p = self._w2_float32(lib)
+            w2t, w2p = self._w2_float32()
             rc = lib.dspark_markov_greedy_f32(k.sgemm, *args, w2t, w2p, tokens.data_ptr(), threads)
         if rc != 0:
             raise RuntimeError(f"greedy Markov head kernel failed with code {rc}")
@@ -167,7 +174,7 @@ class MarkovHead(nn.Module):
             k.base.data_ptr(),
             k.anchors.data_ptr(),
             k.w1.data_ptr(),
-            *self._w2_float32(lib),
+            *self._w2_float32(),
         )
         flags, keys = (None, None) if keyed is None else (np.ascontiguousarray(a) for a in keyed)
         seeded = (None, None) if flags is None or keys is None else (flags.ctypes.data, keys.ctypes.data)
@@ -192,10 +199,10 @@ class MarkovHead(nn.Module):
             cached = self._w2t[layout] = (key, wt)
         return cached[1]
 
-    def _w2_float32(self, lib: ctypes.CDLL) -> tuple[int, int]:
+    def _w2_float32(self) -> tuple[int, int]:
         """The addresses of W2^T and of its packed copy (0 where the float32 kernel does not serve)."""
         w2t = self._w2_transposed("f32")
-        if not (f32_weights.kernel_serves(lib) and f32_weights.fits(w2t)):
+        if not (self.packed_f32 and f32_weights.fits(w2t)):
             return w2t.data_ptr(), 0
         return w2t.data_ptr(), self._w2_transposed("f32_packed").data_ptr()
 

@@ -54,6 +54,7 @@ class DraftGate:
         odds_power: float = 4.0,
         forced_explore_overhead: float = 0.005,
         prior_smoothing: float = 0.005,
+        ratio_prior_steps: float = 16.0,
     ) -> None:
         if explore_every < 2 or max_explore_interval < explore_every:
             raise ValueError("explore_every must be >= 2 and <= max_explore_interval")
@@ -77,6 +78,8 @@ class DraftGate:
             raise ValueError("odds_power must be > 0")
         if not 0.0 < forced_explore_overhead < 1.0:
             raise ValueError("forced_explore_overhead must be in (0, 1)")
+        if not ratio_prior_steps >= 0.0:
+            raise ValueError("ratio_prior_steps must be >= 0")
         self.explore_every = explore_every
         self.max_explore_interval = max_explore_interval
         self.smoothing = smoothing
@@ -106,7 +109,7 @@ class DraftGate:
         self._run_ids: tuple[str, ...] = ()  # the requests it explores
         self._buckets: dict[int, LoadBucket] = {}
         self.forecasts = RequestForecasts(
-            request_smoothing, prior_smoothing, forecast_half_life, self.min_samples
+            request_smoothing, prior_smoothing, forecast_half_life, self.min_samples, ratio_prior_steps
         )
 
     @staticmethod

@@ -12,7 +12,9 @@ its load bucket; else the bucket's mean scaled by how the regime compares with a
 every load. Forecasts are scaled by the regime's realised ratio: the tokens drafting steps kept
 over the tokens their plans expected (calibration off the traffic's distribution shows there
 first, and differently at each load). The priors and ratios move by ``prior_smoothing``: they
-stand for the traffic, not for the request now running (docs/draft-gate.md).
+stand for the traffic, not for the request now running. A ratio stands on as many steps' weight of
+1 (the calibration's word) beside its samples, ``ratio_prior_steps``: one step's kept / expected
+spreads by ~0.6 of itself, and the first few steps alone set it anywhere (docs/draft-gate.md).
 """
 
 from __future__ import annotations
@@ -25,9 +27,15 @@ from dspark_server.engine.spec.gate_estimates import MovingMean, drawn_back, reg
 
 class RequestForecasts:
     def __init__(
-        self, request_smoothing: float, prior_smoothing: float, half_life: float, min_samples: int
+        self,
+        request_smoothing: float,
+        prior_smoothing: float,
+        half_life: float,
+        min_samples: int,
+        ratio_prior_steps: float = 0.0,
     ) -> None:
         self.request_smoothing = request_smoothing
+        self.ratio_prior_steps = ratio_prior_steps
         self.prior_smoothing = prior_smoothing
         self.half_life = half_life
         self.min_samples = min_samples
@@ -82,7 +90,8 @@ class RequestForecasts:
     def realised_ratio(self, regime: float, bucket: int | None = None) -> float:
         """Tokens kept / tokens expected by the plans, over recent drafting steps of requests of
         this sampling regime at this load bucket (at any load until this one has
-        ``min_samples`` steps; 1 until measured; within [1/2, 2])."""
+        ``min_samples`` steps), beside ``ratio_prior_steps`` steps' weight of 1; 1 until
+        measured; within [1/2, 2]."""
         key = regime_key(regime)
         for where in ((bucket,) if bucket else ()) + (0,):
             kept, expected = self.kept.get((where, key)), self.expected.get((where, key))
@@ -90,7 +99,12 @@ class RequestForecasts:
                 continue
             if where and kept.count < self.min_samples:
                 continue
-            return min(2.0, max(0.5, kept.value / expected.value))
+            # the samples' weight: their count until the moving mean forgets (1 / smoothing)
+            weight = min(float(kept.count), 1.0 / self.prior_smoothing)
+            ratio = (weight * kept.value / expected.value + self.ratio_prior_steps) / (
+                weight + self.ratio_prior_steps
+            )
+            return min(2.0, max(0.5, ratio))
         return 1.0
 
     def regime_prior(self, bucket: int, regime: float, fallback: float) -> float:
