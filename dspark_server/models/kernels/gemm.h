@@ -27,8 +27,16 @@ namespace dspark {
 // 138, 864 / 285, 990 / 524, 4545 / 2101, 5875 / 4259, 10616 / 8818; K 2048 x N 9216: 2765 /
 // 1687, 10799 / 4039, 17075 / 8591, 38762 / 28848, 67478 / 57174, 127840 / 117417. A CPU with
 // AVX-512 gives MKL twice the vector width the kernel uses, hence the sgemm from a few hundred
-// rows on (prefill chunks and the largest batches).
-inline int64_t f32_kernel_rows(int64_t k) { return k >= 1024 ? 128 : 256; }
+// rows on (prefill chunks and the largest batches). Without AVX-512 the kernel keeps ahead to 512
+// rows (K 2048, us of sgemm / kernel at 128, 256, 512 rows: N 9216 34834 / 27996, 63885 / 57384,
+// 117571 / 112023; N 6144 23511 / 18371, 39456 / 36341, 75176 / 73549; K 4608 x N 2048 21073 /
+// 13642, 33707 / 27303, 61813 / 57234), so there it serves every step of the default 512-token
+// budget, prefill chunks included.
+inline int64_t f32_kernel_rows(int64_t k) {
+  static const bool wide = __builtin_cpu_supports("avx512f");
+  if (!wide) return 512;
+  return k >= 1024 ? 128 : 256;
+}
 
 // Fortran BLAS sgemm (LP64), column-major.
 using Sgemm = void (*)(const char*, const char*, const int*, const int*, const int*, const float*, const float*,
