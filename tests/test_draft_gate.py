@@ -514,12 +514,29 @@ def test_a_seeded_buckets_first_measurement_replaces_the_seed() -> None:
         assert drafts_all(gate, small) is False
         gate.record(small, False, [1] * 2, 0.004)
     big = [f"b{i}" for i in range(8)]  # two buckets up: seeded as 4x the small one's times
+    assert drafts_all(gate, big) is False  # one plain step first: it measures the plain seed
+    gate.record(big, False, [1] * 8, 0.016)
     assert drafts_all(gate, big) is True  # drafting looks 2x cheaper than it is: it drafts
     assert gate.rates()[gate.bucket_of(8)][0] == pytest.approx(4.0 / 0.040)
     gate.record(big, True, [4.0] * 8, 0.080)  # the first step after plain ones: the switch's
     assert drafts_all(gate, big) is True
     gate.record(big, True, [4.0] * 8, 0.080)  # a warm drafting step: twice the seed
     assert gate.rates()[gate.bucket_of(8)][0] == pytest.approx(4.0 / 0.080)
+
+
+def test_a_seeded_plain_step_time_is_measured_before_it_is_believed() -> None:
+    """At a load first seen, the plain step time is a neighbour's scaled by 2 per bucket: on the
+    K=8 twin served at four requests that said 78 ms where a plain step took 31-34, and drafting
+    (~70 ms for ~2.1 tokens a request) was chosen and held on it. One plain step measures it."""
+    gate = DraftGate(min_samples=1, smoothing=1.0, request_smoothing=1.0, prior_samples=0)
+    _warm(gate, ["a"], (4, 0.020), 0.010)  # one request: 4 tokens in 20 ms beat 1 in 10
+    four = ["p", "q", "r", "s"]
+    gate.record(four, True, [4.0] * 4, 0.080)  # drafting measured at four requests: 4 tokens each
+    assert gate.times()[DraftGate.bucket_of(4)][("plain", "step")] == pytest.approx(0.040)  # a seed
+    assert drafts_all(gate, four) is False  # 16 tokens / 80 ms beat 4 / 40 ms on the seed: measure it
+    gate.record(four, False, [1] * 4, 0.012)
+    assert gate.times()[DraftGate.bucket_of(4)][("plain", "step")] == pytest.approx(0.012)
+    assert sum(drafts_all(gate, four) for _ in range(8)) == 0  # 4 tokens / 12 ms win: plain
 
 
 def test_steps_are_priced_with_the_loops_time_between_them() -> None:
@@ -679,4 +696,5 @@ def test_a_held_drafting_choice_is_the_choice_a_full_one_would_make() -> None:
     # a step of other requests ends the hold: it is chosen in full
     assert held.holds(ids) or held._hold is None
     before = len(full_choices)
-    assert drafts_all(held, ["a"]) and len(full_choices) == before + 1
+    drafts_all(held, ["a"])  # (a plain step: it measures the new load's seeded plain time)
+    assert len(full_choices) == before + 1

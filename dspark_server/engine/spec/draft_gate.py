@@ -289,6 +289,11 @@ class DraftGate:
                 self._run_left -= 1
                 return everyone
             self._run_left = 0
+        if b.plain_seconds.seed:  # a neighbour's plain time, scaled: one plain step measures it
+            # (the cheapest lesson there is; served on the K=8 twin at four requests the seed
+            # said 78 ms, four times a plain step's 31-34, and drafting was held on that belief)
+            b.since_plain = 0
+            return nobody
         switch = b.switch_seconds.value if b.switch_seconds.count else 0.0
         tokens = self.forecast_tokens(request_ids, regimes)
         # rates over whole loop iterations: the loop's time outside a step is paid per step, so
