@@ -307,6 +307,39 @@ def test_newcomers_are_explored_while_their_prior_rests_on_few_samples() -> None
     assert not any(settled.choose(["new"], [1.0]) for _ in range(8))
 
 
+def test_newcomers_are_not_explored_where_even_a_generous_prior_loses() -> None:
+    # served cold on the demo pair at one request, a drafting step cost ~6 plain steps' time for
+    # 2-3 tokens; exploring each newcomer until the prior stood on 20 steps cost ~9% of the
+    # first 12 requests. A prior of 2 steps read generously (x 2.25) still loses here
+    gate = DraftGate(prior_samples=20, smoothing=0.2)
+    for _ in range(2):  # the warm-up: two drafting steps
+        assert gate.choose(["warm"], [0.0]) == [0]
+        gate.record(["warm"], True, [2.0], 0.006, regimes=[0.0], kept=[2])
+    drafting = 0
+    for k in range(10):  # ten requests of 100 steps each, one at a time
+        for _ in range(100):
+            if gate.choose([f"n{k}"], [0.0]):
+                drafting += 1
+                gate.record([f"n{k}"], True, [2.0], 0.006, regimes=[0.0], kept=[2])
+            else:
+                gate.record([f"n{k}"], False, [1], 0.001)
+    assert drafting == 0
+    # where the same prior read generously is near plain steps' rate, the first newcomer is
+    # explored after the warm-up's plain step and explore_every more
+    near = DraftGate(prior_samples=20, smoothing=0.2)
+    for _ in range(2):
+        near.choose(["warm"], [0.0])
+        near.record(["warm"], True, [3.0], 0.006, regimes=[0.0], kept=[3])
+    picks = []
+    for _ in range(8):
+        picks.append(bool(near.choose(["a"], [0.0])))
+        if picks[-1]:
+            near.record(["a"], True, [3.0], 0.006, regimes=[0.0], kept=[3])
+        else:
+            near.record(["a"], False, [1], 0.001)
+    assert picks.index(True) == 5 and sum(picks) == 3
+
+
 def test_a_stale_forecast_returns_to_its_regimes_prior() -> None:
     # a request that drafted through a hard stretch would otherwise keep its low forecast until
     # its next exploration, while high forecasts are refreshed at every drafting step: forecasts
