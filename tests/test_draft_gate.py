@@ -572,6 +572,38 @@ def test_a_seeded_plain_step_time_is_measured_before_it_is_believed() -> None:
     assert sum(drafts_all(gate, four) for _ in range(8)) == 0  # 4 tokens / 12 ms win: plain
 
 
+def test_a_load_first_seen_is_seeded_along_the_forward_time_curve() -> None:
+    """Where a forward's time grows slower than its batch (reading the weights, then compute),
+    doubling per bucket overstates a drafting step at a new load: on the K=8 twin the seed said
+    178 ms at four requests, a drafting step took ~100 ms, and plain steps were held on it."""
+
+    def forward_seconds(batch_tokens: int) -> float:  # 10 ms + 1 ms a token
+        return 0.010 + 0.001 * batch_tokens
+
+    def gate_at_four(curve: bool) -> tuple[DraftGate, list[bool]]:
+        kw = {"forward_seconds": forward_seconds} if curve else {}
+        gate = DraftGate(min_samples=1, smoothing=1.0, request_smoothing=1.0, prior_samples=0, **kw)
+        _warm(gate, ["a"], (4, 0.030), 0.012)  # one request: 4 tokens in 30 ms, 1 in 12
+        four = ["p", "q", "r", "s"]
+        picks = []
+        for _ in range(4):
+            picks.append(drafts_all(gate, four))
+            if picks[-1]:
+                gate.record(four, True, [4.0] * 4, 0.045)
+            else:
+                gate.record(four, False, [1] * 4, 0.020)
+        return gate, picks
+
+    gate, picks = gate_at_four(curve=True)
+    # drafting at four requests: 30 ms x forward(4 x 5 tokens) / forward(5) = 30 x 30 / 15
+    assert gate.seed_scales(1, 3, 4.0) == pytest.approx((14 / 11, 2.0))
+    # a plain step measures the seeded plain time; then drafting (16 tokens / 60 ms seeded, 45
+    # measured) beats 4 tokens / 20 ms by the margin
+    assert picks == [False, True, True, True]
+    _, doubled = gate_at_four(curve=False)  # 120 ms seeded: 16 tokens / 120 ms lose
+    assert doubled == [False, False, False, False]
+
+
 def test_steps_are_priced_with_the_loops_time_between_them() -> None:
     # one request: drafting 4 tokens in 5 ms (800 tok/s) loses to plain steps of 1 ms (1000
     # tok/s) as steps alone; but the loop spends 2 ms between any two steps (streaming the

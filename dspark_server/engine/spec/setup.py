@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from pathlib import Path
 
 from dspark_server.config import EngineConfig
@@ -57,7 +58,8 @@ def build_speculative(cfg: EngineConfig, runner: ModelRunner) -> SpeculativeDeco
     if spec.mode in ("dspark", "threshold") and drafter.confidence_head is None:
         raise ValueError(f"--spec-mode {spec.mode} needs a drafter with a confidence head")
     # Only the load-aware mode may skip drafting; fixed and threshold stay pure baselines.
-    gate = DraftGate() if spec.mode == "dspark" and spec.draft_gate else None
+    seconds = None if live is None else forward_seconds(live)
+    gate = DraftGate(forward_seconds=seconds) if spec.mode == "dspark" and spec.draft_gate else None
     overhead = StepOverhead() if spec.mode == "dspark" and spec.price_step_overhead else None
     return SpeculativeDecoder(
         drafter,
@@ -94,6 +96,15 @@ def resolve_calibration(cfg: EngineConfig, block: int) -> CalibrationSet:
         log.warning("no STS calibration next to the drafter (%s): using raw confidences", cfg.draft_dir)
         return CalibrationSet.identity(block)
     return found
+
+
+def forward_seconds(live: LiveSpsTable) -> Callable[[int], float]:
+    """The target forward's time at B batch tokens, from the live SPS table."""
+
+    def seconds(batch_tokens: int) -> float:
+        return 1.0 / live.current_table().lookup(batch_tokens)
+
+    return seconds
 
 
 def resolve_greedy_calibration(cfg: EngineConfig) -> CalibrationSet | None:
