@@ -75,12 +75,10 @@ class SpecStepResult:
     # per request, 1 + the calibrated survival summed over its verified positions: the tokens
     # the plan expects it to emit (dspark mode; a far less noisy forecast than the tokens kept)
     expected_tokens: list[float] | None = None
-    # writing the drafter context earlier plain steps put off (part of draft_seconds): the
-    # switch from plain steps to drafting, not what a drafting step costs in a run of them
+    # writing the drafter context earlier plain steps put off (part of draft_seconds), less the
+    # prompts' rows among it: the switch from plain steps to drafting, not what a drafting step
+    # costs in a run of them
     catch_up_seconds: float = 0.0
-    # of it, the prompts' rows: what drafting costs a request once, when it first drafts (a
-    # drafting step writes its prefill chunks' rows too), neither a step's cost nor the switch's
-    prompt_writes_seconds: float = 0.0
     # the requests that took a plain token in this step (the gate explored drafting for a few)
     # and each one's logits row, for the engine's sampler
     plain: list[Request] = field(default_factory=list)
@@ -253,8 +251,9 @@ class SpeculativeDecoder:
         t_writes = time.perf_counter()
         prompt_share = self.context.catch_up(runner.allocator, only=decodes if plain else None)
         t_caught_up = time.perf_counter()
-        catch_up_s = t_caught_up - t_start
-        prompt_writes_s = (t_caught_up - t_writes) * prompt_share
+        # the prompts' rows are what drafting costs a request once, whenever it first drafts (a
+        # drafting step writes its prefill chunks' rows too): not a price of switching
+        catch_up_s = t_caught_up - t_start - (t_caught_up - t_writes) * prompt_share
         sources = self._sources(decodes)
         drafts = self._draft(runner.allocator, decodes, anchor_pos, sampling, sources)
         draft_s = time.perf_counter() - t_start
@@ -302,7 +301,6 @@ class SpeculativeDecoder:
             plan.predicted_seconds,
             expected,
             catch_up_s,
-            prompt_writes_s,
             plain,
             verified.plain_rows,
         )
@@ -315,12 +313,8 @@ class SpeculativeDecoder:
             return
         forecast = kept if result.expected_tokens is None else result.expected_tokens
         # the catch-up is the price of switching from plain steps: priced as the steady cost of
-        # drafting, it would keep the gate on plain steps, whose put-off writes grow the next one.
-        # Its prompts' rows are paid once by each request that drafts at all, whenever it first
-        # does: priced as the switch, they kept the K=8 twin at four requests on plain steps
-        # (a newcomer's prompt, prefilled in a plain step, cost ~100 ms at the next drafting step)
+        # drafting, it would keep the gate on plain steps, whose put-off writes grow the next one
         catch_up = result.catch_up_seconds
-        switch = catch_up - result.prompt_writes_seconds
         requests = [d.request for d in result.decodes]
         ids = [r.request_id for r in requests]
         lesson = DraftingLesson(
@@ -332,7 +326,7 @@ class SpeculativeDecoder:
             result.prefill_tokens,
             result.draft_seconds - catch_up,
             step_seconds - catch_up,
-            switch,
+            catch_up,
             len(result.decodes) + len(result.plain),
             kept if result.expected_tokens is not None else None,
         )
