@@ -75,9 +75,8 @@ class SpecStepResult:
     # per request, 1 + the calibrated survival summed over its verified positions: the tokens
     # the plan expects it to emit (dspark mode; a far less noisy forecast than the tokens kept)
     expected_tokens: list[float] | None = None
-    # writing the drafter context earlier plain steps put off (part of draft_seconds), less the
-    # prompts' rows among it: the switch from plain steps to drafting, not what a drafting step
-    # costs in a run of them
+    # writing the drafter context earlier plain steps put off (part of draft_seconds): the
+    # switch from plain steps to drafting, not what a drafting step costs in a run of them
     catch_up_seconds: float = 0.0
     # the requests that took a plain token in this step (the gate explored drafting for a few)
     # and each one's logits row, for the engine's sampler
@@ -248,12 +247,8 @@ class SpeculativeDecoder:
         prefill_tokens = sum(c.num_tokens for c in prefills)
         anchor_pos = [r.num_computed for r in decodes]
         plain_runs = [Run(r, r.num_computed) for r in plain]
-        t_writes = time.perf_counter()
-        prompt_share = self.context.catch_up(runner.allocator, only=decodes if plain else None)
-        t_caught_up = time.perf_counter()
-        # the prompts' rows are what drafting costs a request once, whenever it first drafts (a
-        # drafting step writes its prefill chunks' rows too): not a price of switching
-        catch_up_s = t_caught_up - t_start - (t_caught_up - t_writes) * prompt_share
+        self.context.catch_up(runner.allocator, only=decodes if plain else None)
+        catch_up_s = time.perf_counter() - t_start
         sources = self._sources(decodes)
         drafts = self._draft(runner.allocator, decodes, anchor_pos, sampling, sources)
         draft_s = time.perf_counter() - t_start
