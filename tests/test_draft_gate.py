@@ -604,6 +604,29 @@ def test_a_load_first_seen_is_seeded_along_the_forward_time_curve() -> None:
     assert doubled == [False, False, False, False]
 
 
+def test_the_switch_is_priced_over_the_stays_drafting_lasts_at_this_load() -> None:
+    """On the K=8 twin at four requests a drafting step (~100 ms, ~16 tokens) beat a plain one
+    (~35 ms, 4 tokens), but each request that finished left a step at three requests (its
+    successor's prompt filling the step: plain), and re-entering drafting paid a switch of
+    ~110 ms (that prompt's put-off context). Priced over an exploration run (3 steps) the switch
+    kept the gate on plain steps; drafting stays there lasted ~8-12 steps per switch."""
+
+    def gate_after_a_stay(stay: int) -> bool:
+        gate = DraftGate(min_samples=1, smoothing=1.0, request_smoothing=1.0, prior_samples=0)
+        four = ["p", "q", "r", "s"]
+        _warm(gate, four, (4, 0.100), 0.035)
+        for i in range(stay):  # a stay of drafting steps, the first one paying the switch
+            assert drafts_all(gate, four) is True
+            gate.record(four, True, [4.0] * 4, 0.100, switch_seconds=0.110 if i == 0 else 0.0)
+        assert drafts_all(gate, ["p", "q", "r"]) is False  # s finished: a plain step at three
+        gate.record(["p", "q", "r"], False, [1] * 3, 0.030)
+        return drafts_all(gate, ["p", "q", "r", "t"])  # t joined: enter drafting again?
+
+    # 16 tokens / (100 + 110 / 12) ms beat 4 / 35 by the margin; / (100 + 110 / 3) they do not
+    assert gate_after_a_stay(12) is True
+    assert gate_after_a_stay(3) is False
+
+
 def test_steps_are_priced_with_the_loops_time_between_them() -> None:
     # one request: drafting 4 tokens in 5 ms (800 tok/s) loses to plain steps of 1 ms (1000
     # tok/s) as steps alone; but the loop spends 2 ms between any two steps (streaming the

@@ -114,6 +114,8 @@ class DraftGate:
         # step is warm when the choice before it drafted too
         self._last_drafted: bool | None = None
         self._before_drafted: bool | None = None
+        self._stay = 0  # drafting choices in a row so far (whole steps), at load bucket _stay_key
+        self._stay_key = 0
         self._run_left = 0  # drafting steps left in the current exploration run
         self._run_ids: tuple[str, ...] = ()  # the requests it explores
         self._buckets: dict[int, LoadBucket] = {}
@@ -245,8 +247,16 @@ class DraftGate:
             chosen = self._choose(request_ids, regimes, room is None or room >= len(request_ids))
         self._before_drafted = self._last_drafted
         self._last_drafted = bool(request_ids) and len(chosen) == len(request_ids)
-        if not self._last_drafted:
+        if self._last_drafted:
+            self._stay += 1
+            self._stay_key = self.bucket_of(len(request_ids))
+        else:
             self._run_left = 0
+            if self._stay:  # a stay of drafting steps ended: what one switch into drafting bought
+                stayed = self._buckets.get(self._stay_key)
+                if stayed is not None:
+                    stayed.stay_steps.update(float(self._stay), self.smoothing)
+                self._stay = 0
         return chosen
 
     def holds(self, request_ids: Sequence[str]) -> bool:
@@ -333,8 +343,10 @@ class DraftGate:
         draft_s, plain_s = b.iteration(True), b.iteration(False)
         draft_rate = tokens / draft_s
         plain_rate = n / plain_s
-        # from plain steps, drafting also pays the switch once, over the run it starts
-        entry_rate = draft_rate if self._last_drafted else tokens / (draft_s + switch / self.explore_run)
+        # from plain steps, drafting also pays the switch once, over the stay it starts: as long
+        # as stays at this load last, an exploration run's at least
+        stay = max(float(self.explore_run), b.stay_steps.value if b.stay_steps.count else 0.0)
+        entry_rate = draft_rate if self._last_drafted else tokens / (draft_s + switch / stay)
         # from plain steps, drafting must win by enter_margin: near break-even, the choice flips
         # on noise and each flip pays the switch
         bar = plain_rate * (self.stay_ratio if self._last_drafted else self.enter_margin)

@@ -88,6 +88,7 @@ class LoadBucket:
     tokens_per_request: MovingMean = field(default_factory=MovingMean)  # in drafting steps: the prior
     # a drafting step after plain ones: its catch-up and its excess over a warm drafting step
     switch_seconds: MovingMean = field(default_factory=MovingMean)
+    stay_steps: MovingMean = field(default_factory=MovingMean)  # drafting steps in a row, per switch
     partial_lost: MovingMean = field(default_factory=MovingMean)  # what drafting for a few costs, vs plain
     # the engine loop's time between a step of each kind and the next one (streaming the
     # outputs, metrics, scheduling): paid once per step, whatever the step emitted
