@@ -146,6 +146,9 @@ def test_take_writes_running_requests_computed_positions_only() -> None:
     assert writes.positions.tolist() == [8, 0, 1, 2]
     expect = [alloc.slots(decoding.table, 8, 9), alloc.slots(prefilling.table, 0, 3)]
     assert writes.slots.tolist() == torch.cat(expect).tolist()
+    # c's rows are its prompt's (3 tokens), a's is a generated token's: the prompts' rows are
+    # priced as drafting's own cost, not as the switch from plain steps
+    assert writes.prompt_rows == 3
     assert deferred.take(alloc) is None  # emptied
 
 

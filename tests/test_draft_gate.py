@@ -8,6 +8,7 @@ import math
 import pytest
 
 from dspark_server.engine.spec.draft_gate import DraftGate
+from dspark_server.engine.spec.gate_estimates import seed_scales
 
 IDS8 = [f"r{i}" for i in range(8)]
 
@@ -596,7 +597,7 @@ def test_a_load_first_seen_is_seeded_along_the_forward_time_curve() -> None:
 
     gate, picks = gate_at_four(curve=True)
     # drafting at four requests: 30 ms x forward(4 x 5 tokens) / forward(5) = 30 x 30 / 15
-    assert gate.seed_scales(1, 3, 4.0) == pytest.approx((14 / 11, 2.0))
+    assert seed_scales(forward_seconds, 1, 3, 4.0) == pytest.approx((14 / 11, 2.0))
     # a plain step measures the seeded plain time; then drafting (16 tokens / 60 ms seeded, 45
     # measured) beats 4 tokens / 20 ms by the margin
     assert picks == [False, True, True, True]
@@ -611,13 +612,14 @@ def test_the_switch_is_priced_over_the_stays_drafting_lasts_at_this_load() -> No
     ~110 ms (that prompt's put-off context). Priced over an exploration run (3 steps) the switch
     kept the gate on plain steps; drafting stays there lasted ~8-12 steps per switch."""
 
-    def gate_after_a_stay(stay: int) -> bool:
+    def gate_after_a_stay(stay: int, prompt_seconds: float = 0.0) -> bool:
         gate = DraftGate(min_samples=1, smoothing=1.0, request_smoothing=1.0, prior_samples=0)
         four = ["p", "q", "r", "s"]
         _warm(gate, four, (4, 0.100), 0.035)
         for i in range(stay):  # a stay of drafting steps, the first one paying the switch
             assert drafts_all(gate, four) is True
-            gate.record(four, True, [4.0] * 4, 0.100, switch_seconds=0.110 if i == 0 else 0.0)
+            switch, prompts = (0.110, prompt_seconds) if i == 0 else (0.0, 0.0)
+            gate.record(four, True, [4.0] * 4, 0.100, switch_seconds=switch, prompt_seconds=prompts)
         assert drafts_all(gate, ["p", "q", "r"]) is False  # s finished: a plain step at three
         gate.record(["p", "q", "r"], False, [1] * 3, 0.030)
         return drafts_all(gate, ["p", "q", "r", "t"])  # t joined: enter drafting again?
@@ -625,6 +627,9 @@ def test_the_switch_is_priced_over_the_stays_drafting_lasts_at_this_load() -> No
     # 16 tokens / (100 + 110 / 12) ms beat 4 / 35 by the margin; / (100 + 110 / 3) they do not
     assert gate_after_a_stay(12) is True
     assert gate_after_a_stay(3) is False
+    # of those 110 ms, 90 wrote prompts' context: a request pays that once, whenever it first
+    # drafts, so re-entering is priced on the other 20 (16 / (100 + 20 / 3) beat 4 / 35 too)
+    assert gate_after_a_stay(3, prompt_seconds=0.090) is True
 
 
 def test_steps_are_priced_with_the_loops_time_between_them() -> None:

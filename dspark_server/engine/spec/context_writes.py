@@ -69,14 +69,17 @@ class ContextWrites:
             if self.deferred.defer(plain, hidden[at]):
                 self.catch_up(alloc)
 
-    def catch_up(self, alloc: PageAllocator, only: Sequence[Request] | None = None) -> None:
+    def catch_up(self, alloc: PageAllocator, only: Sequence[Request] | None = None) -> float:
         """Write the context steps without drafting put off (before drafting reads it): of
-        ``only`` these requests, when given."""
+        ``only`` these requests, when given. Returns the share of the rows written that were
+        prompt positions (0 when none were written)."""
         if not len(self.deferred):
-            return
+            return 0.0
         writes = self.deferred.take(alloc, only)
-        if writes is not None:
-            self.drafter.write_context(writes.features, writes.positions, writes.slots, self.pool)
+        if writes is None:
+            return 0.0
+        self.drafter.write_context(writes.features, writes.positions, writes.slots, self.pool)
+        return writes.prompt_rows / max(1, int(writes.positions.numel()))
 
     def _write(self, alloc: PageAllocator, forward: ForwardResult, rows: list[_ContextRows]) -> None:
         if not rows:

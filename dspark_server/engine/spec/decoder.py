@@ -78,6 +78,9 @@ class SpecStepResult:
     # writing the drafter context earlier plain steps put off (part of draft_seconds): the
     # switch from plain steps to drafting, not what a drafting step costs in a run of them
     catch_up_seconds: float = 0.0
+    # of it, the prompts' rows: what drafting costs a request once, when it first drafts (a
+    # drafting step writes its prefill chunks' rows too)
+    prompt_writes_seconds: float = 0.0
     # the requests that took a plain token in this step (the gate explored drafting for a few)
     # and each one's logits row, for the engine's sampler
     plain: list[Request] = field(default_factory=list)
@@ -247,8 +250,11 @@ class SpeculativeDecoder:
         prefill_tokens = sum(c.num_tokens for c in prefills)
         anchor_pos = [r.num_computed for r in decodes]
         plain_runs = [Run(r, r.num_computed) for r in plain]
-        self.context.catch_up(runner.allocator, only=decodes if plain else None)
-        catch_up_s = time.perf_counter() - t_start
+        t_writes = time.perf_counter()
+        prompt_share = self.context.catch_up(runner.allocator, only=decodes if plain else None)
+        t_caught_up = time.perf_counter()
+        catch_up_s = t_caught_up - t_start
+        prompt_writes_s = (t_caught_up - t_writes) * prompt_share
         sources = self._sources(decodes)
         drafts = self._draft(runner.allocator, decodes, anchor_pos, sampling, sources)
         draft_s = time.perf_counter() - t_start
@@ -296,6 +302,7 @@ class SpeculativeDecoder:
             plan.predicted_seconds,
             expected,
             catch_up_s,
+            prompt_writes_s,
             plain,
             verified.plain_rows,
         )
@@ -324,6 +331,7 @@ class SpeculativeDecoder:
             catch_up,
             len(result.decodes) + len(result.plain),
             kept if result.expected_tokens is not None else None,
+            result.prompt_writes_seconds,
         )
         if self.gate is not None and self.gate.holds(ids):
             self.lessons.drafts.append(lesson)

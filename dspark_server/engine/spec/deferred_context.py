@@ -85,6 +85,7 @@ class ContextWrites:
     features: torch.Tensor  # [N, F]
     positions: torch.Tensor  # [N]
     slots: torch.Tensor  # [N]
+    prompt_rows: int = 0  # of the N, the rows of prompt positions (prefill chunks put off)
 
 
 @dataclass
@@ -208,12 +209,14 @@ class DeferredContext:
         else:  # a few requests: their rows only
             features = torch.cat([steps[s].features[r : r + c] for s, r, c, _ in segments])
         positions = torch.from_numpy(np.repeat(np.array([p for _, _, _, p in segments]), counts) + within)
-        slots, at = [], 0
+        slots, at, prompt_rows = [], 0, 0
         for key, req in picked.requests.items():
             n = sum(c for _, _, c, _ in picked.segments[key])
             slots.append(alloc.slots_at(req.table, positions[at : at + n]))
             at += n
-        return ContextWrites(features, positions, torch.cat(slots))
+            prompt = len(req.prompt_ids)
+            prompt_rows += sum(max(0, min(c, prompt - p)) for _, _, c, p in picked.segments[key])
+        return ContextWrites(features, positions, torch.cat(slots), prompt_rows)
 
     def _forget(self, key: int) -> None:
         step = self._steps.pop(key, None)

@@ -27,7 +27,13 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Sequence
 
-from dspark_server.engine.spec.gate_estimates import LoadBucket, MovingMean, StepTime, clip_outlier
+from dspark_server.engine.spec.gate_estimates import (
+    LoadBucket,
+    MovingMean,
+    StepTime,
+    clip_outlier,
+    seed_scales,
+)
 from dspark_server.engine.spec.request_forecasts import RequestForecasts
 
 
@@ -153,35 +159,13 @@ class DraftGate:
             return
         near = min(warm, key=lambda k: abs(k - key))
         src = self._buckets[near]
-        plain_scale, draft_scale = self.seed_scales(near, key, src.tokens_per_request.value)
+        plain_scale, draft_scale = seed_scales(self.forward_seconds, near, key, src.tokens_per_request.value)
         if b.draft_seconds.count == 0:
             b.draft_seconds = StepTime.seeded(src.draft_seconds.value * draft_scale, self.min_samples)
         if b.plain_seconds.count == 0:
             b.plain_seconds = StepTime.seeded(src.plain_seconds.value * plain_scale, self.min_samples)
         if b.tokens_per_request.count == 0:
             b.tokens_per_request = MovingMean(src.tokens_per_request.value, self.min_samples)
-
-    def seed_scales(self, near: int, key: int, tokens_per_request: float) -> tuple[float, float]:
-        """(plain, drafting) step time at load bucket ``key`` over bucket ``near``'s: the ratio of
-        forward times at their smallest loads (bucket k holds 2^(k-1) to 2^k - 1 requests), a
-        drafting step's at about 1 + ``tokens_per_request`` tokens a request (its verified
-        tokens); 2 per bucket without a curve. Doubling per bucket is far off where a step is
-        bound by reading the weights: on the K=8 twin a drafting step seeded from one request
-        to four said 178 ms, and the gate held plain steps on it for ~460 steps (15 s) before
-        a drafting step measured ~100 ms, against ~35 ms for a plain step of four tokens."""
-        fallback = 2.0 ** (key - near)
-        seconds = self.forward_seconds
-        if seconds is None:
-            return fallback, fallback
-        n_near, n_key = 1 << (near - 1), 1 << (key - 1)
-        per = 1.0 + max(1.0, tokens_per_request) if math.isfinite(tokens_per_request) else 2.0
-        try:
-            plain = seconds(n_key) / seconds(n_near)
-            draft = seconds(round(n_key * per)) / seconds(round(n_near * per))
-        except ZeroDivisionError:
-            return fallback, fallback
-        ok = all(math.isfinite(x) and x > 0 for x in (plain, draft))
-        return (plain, draft) if ok else (fallback, fallback)
 
     def forecast_tokens(self, request_ids: Sequence[str], regimes: Sequence[float] | None = None) -> float:
         """Tokens a drafting step is expected to emit for these requests (``regimes``: each one's
@@ -344,9 +328,13 @@ class DraftGate:
         draft_rate = tokens / draft_s
         plain_rate = n / plain_s
         # from plain steps, drafting also pays the switch once, over the stay it starts: as long
-        # as stays at this load last, an exploration run's at least
+        # as stays at this load last, an exploration run's at least. Entering leaves out the
+        # prompts' rows: a request that drafts pays them once, now or had it drafted before (an
+        # exploration that ends pays them in vain: ``lost`` below keeps them)
         stay = max(float(self.explore_run), b.stay_steps.value if b.stay_steps.count else 0.0)
-        entry_rate = draft_rate if self._last_drafted else tokens / (draft_s + switch / stay)
+        prompts = b.switch_prompt_seconds.value if b.switch_prompt_seconds.count else 0.0
+        entry_switch = max(0.0, switch - prompts)
+        entry_rate = draft_rate if self._last_drafted else tokens / (draft_s + entry_switch / stay)
         # from plain steps, drafting must win by enter_margin: near break-even, the choice flips
         # on noise and each flip pays the switch
         bar = plain_rate * (self.stay_ratio if self._last_drafted else self.enter_margin)
@@ -443,6 +431,7 @@ class DraftGate:
         regimes: Sequence[float] | None = None,
         num_requests: int | None = None,
         kept: Sequence[float] | None = None,
+        prompt_seconds: float = 0.0,
     ) -> None:
         """A finished step: its requests (the drafting ones, for a drafting step), whether it
         drafted, the tokens each request emitted (or, better, the plan's calibrated expectation
@@ -451,7 +440,8 @@ class DraftGate:
         steps put off. ``num_requests``: the step's decoding requests, when only some drafted
         (a partial exploration; the others emitted one token each). ``kept``: the tokens each
         request did emit, when ``tokens`` are expectations (with ``regimes``: it corrects the
-        expectations' bias per regime; without it, ``tokens`` are what was emitted)."""
+        expectations' bias per regime; without it, ``tokens`` are what was emitted).
+        ``prompt_seconds``: of the catch-up, writing prompts' context rows."""
         if seconds <= 0 or not math.isfinite(seconds) or not request_ids:
             return
         load = len(request_ids) if num_requests is None else max(num_requests, len(request_ids))
@@ -471,6 +461,7 @@ class DraftGate:
             # catch-up are the price of switching, not of drafting
             excess = max(0.0, seconds - b.draft_seconds.value)
             b.switch_seconds.update(switch + excess, self.smoothing)
+            b.switch_prompt_seconds.update(min(switch, max(0.0, prompt_seconds)), self.smoothing)
         else:
             b.draft_seconds.update(seconds, self.smoothing)
             # a switch while the bucket warms up; after a drafting step the catch-up is a few
@@ -479,6 +470,7 @@ class DraftGate:
             # requests cost 5-10: explorations came twice as often as their budget allows)
             if switch > 0 and self._before_drafted is False:
                 b.switch_seconds.update(switch, self.smoothing)
+                b.switch_prompt_seconds.update(min(switch, max(0.0, prompt_seconds)), self.smoothing)
         b.tokens_per_request.update(sum(tokens) / len(tokens), self.forecasts.prior_smoothing)
         mean = b.tokens_per_request.value
         self.forecasts.learn(request_ids, tokens, regimes, kept, key, mean, self._steps)

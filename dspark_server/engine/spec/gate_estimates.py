@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import math
 import statistics
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 # A sample of the loop's time between steps above this multiple of its estimate counts as this
@@ -88,6 +89,9 @@ class LoadBucket:
     tokens_per_request: MovingMean = field(default_factory=MovingMean)  # in drafting steps: the prior
     # a drafting step after plain ones: its catch-up and its excess over a warm drafting step
     switch_seconds: MovingMean = field(default_factory=MovingMean)
+    # of it, writing the context of prompts prefilled in plain steps: every request that drafts
+    # pays that once, whenever it first does (a drafting step writes its prefill chunks' too)
+    switch_prompt_seconds: MovingMean = field(default_factory=MovingMean)
     stay_steps: MovingMean = field(default_factory=MovingMean)  # drafting steps in a row, per switch
     partial_lost: MovingMean = field(default_factory=MovingMean)  # what drafting for a few costs, vs plain
     # the engine loop's time between a step of each kind and the next one (streaming the
@@ -113,3 +117,28 @@ class LoadBucket:
     def measured(self, min_samples: int) -> bool:
         """Both step kinds measured ``min_samples`` times (or seeded as if they were)."""
         return min(self.draft_seconds.count, self.plain_seconds.count) >= min_samples
+
+
+def seed_scales(
+    forward_seconds: Callable[[int], float] | None, near: int, key: int, tokens_per_request: float
+) -> tuple[float, float]:
+    """(plain, drafting) step time at load bucket ``key`` over bucket ``near``'s: the ratio of
+    forward times (``forward_seconds``: the SPS table's curve) at their smallest loads (bucket k
+    holds 2^(k-1) to 2^k - 1 requests), a drafting step's at about 1 + ``tokens_per_request``
+    tokens a request (its verified tokens); 2 per bucket without a curve. Doubling per bucket
+    is far off where a step is bound by reading the weights: on the K=8 twin a drafting step
+    seeded from one request to four said 178 ms, and the gate held plain steps on it for ~460
+    steps (15 s) before a drafting step measured ~100 ms, against ~35 ms for a plain step of
+    four tokens."""
+    fallback = 2.0 ** (key - near)
+    if forward_seconds is None:
+        return fallback, fallback
+    n_near, n_key = 1 << (near - 1), 1 << (key - 1)
+    per = 1.0 + max(1.0, tokens_per_request) if math.isfinite(tokens_per_request) else 2.0
+    try:
+        plain = forward_seconds(n_key) / forward_seconds(n_near)
+        draft = forward_seconds(round(n_key * per)) / forward_seconds(round(n_near * per))
+    except ZeroDivisionError:
+        return fallback, fallback
+    ok = all(math.isfinite(x) and x > 0 for x in (plain, draft))
+    return (plain, draft) if ok else (fallback, fallback)

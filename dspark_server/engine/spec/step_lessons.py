@@ -25,6 +25,7 @@ class DraftingLesson(NamedTuple):
     switch_seconds: float = 0.0
     num_requests: int | None = None
     kept: Sequence[int] | None = None
+    prompt_writes_seconds: float = 0.0  # of the catch-up, the prompts' rows
 
 
 def teach(gate: DraftGate | None, overhead: StepOverhead | None, lesson: DraftingLesson) -> None:
@@ -46,6 +47,7 @@ def teach(gate: DraftGate | None, overhead: StepOverhead | None, lesson: Draftin
             lesson.regimes,
             num_requests,
             lesson.kept,
+            lesson.prompt_writes_seconds,
         )
     if overhead is not None and (num_requests is None or num_requests == n):
         overhead.record(n, step_s, forward_s, lesson.draft_seconds)
