@@ -332,9 +332,7 @@ class DraftGate:
         # prompts' rows: a request that drafts pays them once, now or had it drafted before (an
         # exploration that ends pays them in vain: ``lost`` below keeps them)
         stay = max(float(self.explore_run), b.stay_steps.value if b.stay_steps.count else 0.0)
-        prompts = b.switch_prompt_seconds.value if b.switch_prompt_seconds.count else 0.0
-        entry_switch = max(0.0, switch - prompts)
-        entry_rate = draft_rate if self._last_drafted else tokens / (draft_s + entry_switch / stay)
+        entry_rate = draft_rate if self._last_drafted else tokens / (draft_s + b.entry_switch() / stay)
         # from plain steps, drafting must win by enter_margin: near break-even, the choice flips
         # on noise and each flip pays the switch
         bar = plain_rate * (self.stay_ratio if self._last_drafted else self.enter_margin)
@@ -452,6 +450,7 @@ class DraftGate:
         key = self.bucket_of(load)
         b = self._bucket(load)
         switch = switch_seconds if switch_seconds > 0 and math.isfinite(switch_seconds) else 0.0
+        prompts = min(switch, max(0.0, prompt_seconds))
         if load > len(request_ids):  # a few drafted: what that cost against a plain step's tokens
             if b.plain_seconds.count:
                 same_tokens = b.plain_seconds.value * (sum(tokens) + load - len(request_ids)) / load
@@ -460,8 +459,7 @@ class DraftGate:
             # the first drafting step after plain ones: its excess over a warm one and the
             # catch-up are the price of switching, not of drafting
             excess = max(0.0, seconds - b.draft_seconds.value)
-            b.switch_seconds.update(switch + excess, self.smoothing)
-            b.switch_prompt_seconds.update(min(switch, max(0.0, prompt_seconds)), self.smoothing)
+            b.record_switch(switch + excess, prompts, self.smoothing)
         else:
             b.draft_seconds.update(seconds, self.smoothing)
             # a switch while the bucket warms up; after a drafting step the catch-up is a few
@@ -469,8 +467,7 @@ class DraftGate:
             # steps of exploration runs held the estimate at ~1.5 ms where a switch at four
             # requests cost 5-10: explorations came twice as often as their budget allows)
             if switch > 0 and self._before_drafted is False:
-                b.switch_seconds.update(switch, self.smoothing)
-                b.switch_prompt_seconds.update(min(switch, max(0.0, prompt_seconds)), self.smoothing)
+                b.record_switch(switch, prompts, self.smoothing)
         b.tokens_per_request.update(sum(tokens) / len(tokens), self.forecasts.prior_smoothing)
         mean = b.tokens_per_request.value
         self.forecasts.learn(request_ids, tokens, regimes, kept, key, mean, self._steps)

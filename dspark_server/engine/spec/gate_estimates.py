@@ -114,6 +114,18 @@ class LoadBucket:
         """A whole loop iteration with a step of this kind: the step's time and the loop's."""
         return (self.draft_seconds if drafted else self.plain_seconds).value + self.outside(drafted)
 
+    def record_switch(self, seconds: float, prompt_seconds: float, smoothing: float) -> None:
+        """A switch into drafting: its whole price, and of it the prompts' context rows."""
+        self.switch_seconds.update(seconds, smoothing)
+        self.switch_prompt_seconds.update(prompt_seconds, smoothing)
+
+    def entry_switch(self) -> float:
+        """The price of re-entering drafting: the switch less the prompts' rows (0 until measured)."""
+        if not self.switch_seconds.count:
+            return 0.0
+        prompts = self.switch_prompt_seconds.value if self.switch_prompt_seconds.count else 0.0
+        return max(0.0, self.switch_seconds.value - prompts)
+
     def measured(self, min_samples: int) -> bool:
         """Both step kinds measured ``min_samples`` times (or seeded as if they were)."""
         return min(self.draft_seconds.count, self.plain_seconds.count) >= min_samples
