@@ -45,6 +45,6 @@ RUN apt-get update && apt-get install -y --no-install-recommends g++ && rm -rf /
     && useradd --create-home --uid 10001 dspark
 USER dspark
 EXPOSE 8000
-HEALTHCHECK --interval=15s --timeout=3s --start-period=60s --retries=3 \
+HEALTHCHECK --interval=15s --timeout=3s --start-period=120s --retries=3 \
     CMD python -c "import urllib.request,sys; sys.exit(0 if urllib.request.urlopen('http://127.0.0.1:8000/health', timeout=2).status == 200 else 1)"
 CMD ["dspark", "serve", "--host", "0.0.0.0", "--port", "8000"]

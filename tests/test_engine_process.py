@@ -14,12 +14,14 @@ from typing import Any
 
 import httpx
 import pytest
+from fastapi.testclient import TestClient
 
-from dspark_server.config import EngineConfig, SpeculativeConfig
+from dspark_server.config import EngineConfig, ServerConfig, SpeculativeConfig
 from dspark_server.engine.engine import LLMEngine
 from dspark_server.engine.process import EngineProcessBackend
 from dspark_server.engine.request import InvalidRequestError, RequestOutput, SamplingParams
 from dspark_server.machine import ALL_CPUS_FROM_BYTES, available_cpus, engine_threads
+from dspark_server.server.app import create_app
 from dspark_server.testing.tiny import build_tiny_drafter, write_flat_sps_profile
 
 PROMPTS = [[5, 9, 14, 3], [7, 7, 21, 30, 2, 11], [40, 1], [3, 3, 3, 3, 3, 3, 3, 3, 3]]
@@ -152,7 +154,9 @@ def test_invalid_prompts_are_refused_before_reaching_the_engine(backend: EngineP
 def test_a_dying_engine_ends_open_streams_with_an_error(cfg: EngineConfig) -> None:
     b = EngineProcessBackend(cfg)
     b.start()
+    health = TestClient(create_app(b, ServerConfig(), "m"))
     try:
+        assert health.get("/health").json() == {"status": "ok"}
 
         async def run() -> list[RequestOutput]:
             stream = b.generate("doomed", PROMPTS[1], SamplingParams(temperature=1.0, max_tokens=2000))
@@ -165,6 +169,8 @@ def test_a_dying_engine_ends_open_streams_with_an_error(cfg: EngineConfig) -> No
         outs = asyncio.run(asyncio.wait_for(run(), 60))
         assert outs[-1].finished and outs[-1].error == "the engine process exited"
         assert not b.ready
+        r = health.get("/health")  # a liveness probe restarts a server whose engine died
+        assert r.status_code == 503 and r.json()["error"]["code"] == "engine_down"
         assert b.load().admitted == 0
         with pytest.raises(RuntimeError, match="not running"):
             b.generate("late", PROMPTS[0], SamplingParams())

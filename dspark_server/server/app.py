@@ -116,9 +116,22 @@ def create_app(backend: Backend | None, cfg: ServerConfig, model_name: str) -> F
         log.exception("unhandled error")
         return error_response(APIError(500, f"internal server error: {type(exc).__name__}", "internal_error"))
 
-    @app.get("/health", response_model=HealthResponse, summary="Liveness: the process serves HTTP")
-    async def health() -> HealthResponse:
-        return HealthResponse()
+    @app.get(
+        "/health",
+        response_model=HealthResponse,
+        responses=_error_responses(503),
+        summary="Health: the model is loaded and its engine runs (503 while loading, as in SGLang)",
+    )
+    async def health() -> Response:
+        if state.backend is None:
+            return error_response(
+                APIError(503, "server is loading", "service_unavailable", code="server_loading")
+            )
+        if not state.backend.ready:
+            return error_response(
+                APIError(503, "the engine is not running", "service_unavailable", code="engine_down")
+            )
+        return JSONResponse(HealthResponse().model_dump())
 
     @app.get(
         "/ready",

@@ -1,7 +1,7 @@
 """Run the HTTP server: listen at once, load the engine in the background, drain on SIGTERM.
 
 Lifecycle:
-  * start: the port opens immediately; ``/health`` is 200, ``/ready`` and ``/v1/*`` are 503 until
+  * start: the port opens immediately; ``/health``, ``/ready`` and ``/v1/*`` are 503 until
     the backend has been built (model load, SPS profiling) and started. A failed load exits 1.
   * SIGTERM / SIGINT: ``/ready`` turns 503 and new ``/v1/*`` requests get 503 (Retry-After) while
     the port stays open, as do requests still sending their body (which never count as in
