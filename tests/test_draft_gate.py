@@ -776,9 +776,11 @@ def test_a_held_drafting_choice_is_the_choice_a_full_one_would_make() -> None:
     full_choices = []
     inner = held._choose
 
-    def counting(ids: list[str], regimes: list[float] | None, whole: bool) -> list[int]:
+    def counting(
+        ids: list[str], regimes: list[float] | None, whole: bool, remaining: list[int] | None
+    ) -> list[int]:
         full_choices.append(held._steps)
-        return inner(ids, regimes, whole)
+        return inner(ids, regimes, whole, remaining)
 
     held._choose = counting  # type: ignore[method-assign]
     ids = ["a", "b"]
@@ -791,3 +793,37 @@ def test_a_held_drafting_choice_is_the_choice_a_full_one_would_make() -> None:
     before = len(full_choices)
     drafts_all(held, ["a"])  # (a plain step: it measures the new load's seeded plain time)
     assert len(full_choices) == before + 1
+
+
+def test_a_newcomer_is_explored_where_requests_before_it_show_learning_it_pays() -> None:
+    # served cold on the K=8 twin at one request (code, temperature 0): a drafting step took
+    # ~45 ms against ~19 ms plain, the first requests kept 1-2 tokens a drafting step, and on
+    # their prior later requests stayed on plain steps for 27% of the request-steps, though
+    # some of them kept 6 a step once explored
+    def gate_after(strong: float) -> DraftGate:
+        gate = DraftGate(prior_samples=0)  # (the prior's sample count plays no part here)
+        for name in ("first", "second"):  # weak requests, drafting 40 steps each
+            for _ in range(40):
+                gate.record([name], True, [1.5], 0.045, regimes=[0.0], kept=[1.5])
+        for _ in range(4):  # one that drafted a few steps
+            gate.record(["third"], True, [strong], 0.045, regimes=[0.0], kept=[strong])
+        for _ in range(3):
+            gate.record(["third"], False, [1], 0.019)
+        return gate
+
+    def drafting_steps(gate: DraftGate, remaining: int) -> int:
+        drafted = 0
+        for _ in range(12):
+            if gate.choose(["new"], [0.0], None, [remaining]):
+                drafted += 1
+                gate.record(["new"], True, [1.7], 0.045, regimes=[0.0], kept=[1.7])
+            else:
+                gate.record(["new"], False, [1], 0.019)
+        return drafted
+
+    # one of the three requests before it drafted at 6 tokens a step (7.5 ms a token against
+    # 19 plain): over 120 tokens, learning whether the newcomer is such a one pays its run
+    assert drafting_steps(gate_after(6.0), 120) == 3
+    # a newcomer with 5 tokens left, or requests that all drafted slower than plain steps
+    assert drafting_steps(gate_after(6.0), 5) == 0
+    assert drafting_steps(gate_after(2.0), 120) == 0

@@ -41,7 +41,12 @@ def _pin_plain(gate: DraftGate) -> None:
     """Every full choice of ``gate`` is a plain one, held as long as the gate holds any (so that
     the held steps cost what the gate's own held plain steps cost)."""
 
-    def choose(request_ids: Sequence[str], regimes: Sequence[float] | None, whole: bool) -> list[int]:
+    def choose(
+        request_ids: Sequence[str],
+        regimes: Sequence[float] | None,
+        whole: bool,
+        remaining: Sequence[int] | None,
+    ) -> list[int]:
         gate._steps += 1
         return gate._hold_plain(request_ids, gate._bucket(len(request_ids)), gate.max_hold)
 

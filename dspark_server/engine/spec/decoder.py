@@ -180,7 +180,9 @@ class SpeculativeDecoder:
         else:
             if self.lessons:
                 self.file_lessons()  # the choice reads them
-            chosen = gate.choose(ids, [r.params.temperature for r in decodes], room)
+            regimes = [r.params.temperature for r in decodes]
+            remaining = [r.params.max_tokens - len(r.output_ids) for r in decodes]
+            chosen = gate.choose(ids, regimes, room, remaining)
         return [decodes[i] for i in chosen] if chosen else []
 
     def file_lessons(self, alloc: PageAllocator | None = None) -> None:

@@ -32,9 +32,12 @@ from dspark_server.engine.spec.gate_estimates import (
     MovingMean,
     StepTime,
     clip_outlier,
+    learning_saves,
     seed_scales,
 )
 from dspark_server.engine.spec.request_forecasts import RequestForecasts
+
+MIN_REQUEST_MEANS = 3  # departed requests of a regime before a newcomer is priced on them
 
 
 class DraftGate:
@@ -218,17 +221,23 @@ class DraftGate:
         return min(num_requests, max(1, math.ceil(self.explore_fraction * num_requests)))
 
     def choose(
-        self, request_ids: Sequence[str], regimes: Sequence[float] | None = None, room: int | None = None
+        self,
+        request_ids: Sequence[str],
+        regimes: Sequence[float] | None = None,
+        room: int | None = None,
+        remaining: Sequence[int] | None = None,
     ) -> list[int]:
         """Which of the step's decoding requests draft (indices into ``request_ids``): all of
         them, none (a plain step), or a few, exploring while plain steps are the faster choice.
         ``regimes``: their sampling temperatures. ``room``: how many of them the step's token
         budget lets draft (None: all); a warm-up sample or an exploration of whole drafting
         steps waits for a step where all of them can (the rest would take plain tokens in the
-        same forward: a partial step, which measures neither kind)."""
+        same forward: a partial step, which measures neither kind). ``remaining``: the tokens
+        each may still emit (what learning a newcomer's acceptance can pay back over)."""
         chosen = self._held(request_ids)
         if chosen is None:
-            chosen = self._choose(request_ids, regimes, room is None or room >= len(request_ids))
+            whole = room is None or room >= len(request_ids)
+            chosen = self._choose(request_ids, regimes, whole, remaining)
         self._before_drafted = self._last_drafted
         self._last_drafted = bool(request_ids) and len(chosen) == len(request_ids)
         if self._last_drafted:
@@ -293,7 +302,13 @@ class DraftGate:
         self._run_ids = tuple(request_ids)
         return list(range(len(request_ids)))
 
-    def _choose(self, request_ids: Sequence[str], regimes: Sequence[float] | None, whole: bool) -> list[int]:
+    def _choose(
+        self,
+        request_ids: Sequence[str],
+        regimes: Sequence[float] | None,
+        whole: bool,
+        remaining: Sequence[int] | None,
+    ) -> list[int]:
         n = len(request_ids)
         everyone, nobody = list(range(n)), list[int]()
         self._steps += 1
@@ -356,7 +371,9 @@ class DraftGate:
         few = self.explore_size(n)
         b.since_partial += 1
         # a newcomer on a prior of few samples that might be far too low: learn it, once
-        learn = few == n and self._newcomer_may_win(request_ids, regimes, draft_rate, plain_rate)
+        learn = few == n and self._newcomer_worth_learning(
+            request_ids, regimes, remaining, (draft_s, plain_s), draft_rate / plain_rate, lost
+        )
         if whole and learn and b.since_explore >= self.explore_every:
             b.since_explore = b.since_partial = 0
             return self._explore_drafting(request_ids)
@@ -386,28 +403,42 @@ class DraftGate:
         order = sorted(everyone, key=lambda i: drafted_at.get(request_ids[i], -1))
         return sorted(order[:few])
 
-    def _newcomer_may_win(
+    def _newcomer_worth_learning(
         self,
         request_ids: Sequence[str],
         regimes: Sequence[float] | None,
-        draft_rate: float,
-        plain_rate: float,
+        remaining: Sequence[int] | None,
+        seconds: tuple[float, float],
+        rate_ratio: float,
+        lost: float,
     ) -> bool:
-        """Whether a request that never drafted stands on a prior of fewer than ``prior_samples``
-        drafting steps (its regime's at this load) which, read generously, puts drafting near
-        plain steps' rate: a prior of m steps may understate the traffic's tokens by a factor
-        of up to 1 + ``newcomer_upside`` / m. One weak early sample (a short warm-up prompt)
-        would otherwise keep every later request on plain steps, and the prior would never
-        learn otherwise; where even that reading loses, exploring each newcomer only costs.
-        Served cold on the demo pair (one request, HumanEval, temperature 0), a drafting step
-        took 6-7 plain steps' time for 2-4 tokens: exploring every newcomer until its prior
-        stood on 20 steps cost ~9% of the first 12 requests. There the explorations' means
-        spread by 23% between requests, and the warm-up's (2 steps) was 0.69 of their mean."""
-        key, forecasts = self.bucket_of(len(request_ids)), self.forecasts
+        """Whether to explore a request that never drafted, while plain steps lead on its prior
+        (``rate_ratio``: the forecast drafting rate over plain steps' rate; ``seconds``: a
+        drafting and a plain step's time; ``lost``: what an exploration run loses).
+
+        Alone in its step, with ``MIN_REQUEST_MEANS`` requests of its regime gone before: where
+        the time those requests' acceptance would save, on average, over the tokens it may still
+        emit, exceeds what exploring loses. Served cold on the K=8 twin at one request (code,
+        temperature 0), the first requests kept 1-2 tokens a drafting step, and their prior held
+        later ones on plain steps for 27% of the request-steps, though some kept 6.
+
+        Else (a prior of fewer than ``prior_samples`` drafting steps): where that prior, read
+        generously, puts drafting near plain steps' rate: a prior of m steps may understate the
+        traffic's tokens by a factor of up to 1 + ``newcomer_upside`` / m. Served cold on the
+        demo pair (one request, HumanEval, temperature 0), a drafting step took 6-7 plain steps'
+        time for 2-4 tokens: exploring every newcomer until its prior stood on 20 steps cost ~9%
+        of the first 12 requests."""
+        forecasts, key = self.forecasts, self.bucket_of(len(request_ids))
+        newcomers = [i for i, rid in enumerate(request_ids) if rid not in forecasts.drafted_at]
+        if not newcomers:
+            return False
+        if len(request_ids) == 1 and regimes is not None and remaining is not None:
+            means = forecasts.request_means(regimes[0])
+            if len(means) >= MIN_REQUEST_MEANS:
+                ratio = forecasts.realised_ratio(regimes[0], key)
+                return learning_saves(means, ratio, remaining[0], seconds) > lost
         fewest: int | None = None
-        for i, rid in enumerate(request_ids):
-            if rid in forecasts.drafted_at:
-                continue
+        for i in newcomers:
             if regimes is None:
                 samples = self._buckets[key].tokens_per_request.count
             else:
@@ -416,8 +447,7 @@ class DraftGate:
                 fewest = samples if fewest is None else min(fewest, samples)
         if fewest is None:
             return False
-        upside = 1.0 + self.newcomer_upside / max(1, fewest)
-        return draft_rate * upside >= self.near_ratio * plain_rate
+        return rate_ratio * (1.0 + self.newcomer_upside / max(1, fewest)) >= self.near_ratio
 
     def record(
         self,

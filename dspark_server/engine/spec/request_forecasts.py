@@ -15,14 +15,22 @@ first, and differently at each load). The priors and ratios move by ``prior_smoo
 stand for the traffic, not for the request now running. A ratio stands on as many steps' weight of
 1 (the calibration's word) beside its samples, ``ratio_prior_steps``: one step's kept / expected
 spreads by ~0.6 of itself, and the first few steps alone set it anywhere (docs/draft-gate.md).
+
+Requests that leave after drafting leave their mean expected tokens per drafting step behind,
+per regime (``request_means``): how far apart requests of the traffic accept, which tells what
+learning a newcomer's own forecast may be worth.
 """
 
 from __future__ import annotations
 
 import math
+from collections import deque
 from collections.abc import Sequence
 
 from dspark_server.engine.spec.gate_estimates import MovingMean, drawn_back, regime_key
+
+REQUEST_MEANS = 64  # departed requests' means kept per regime
+MIN_REQUEST_STEPS = 2  # a departed request's drafting steps for its mean to count
 
 
 class RequestForecasts:
@@ -45,9 +53,17 @@ class RequestForecasts:
         self.prior = MovingMean()  # all loads: for a bucket that has not drafted yet
         self.expected: dict[tuple[int, float], MovingMean] = {}  # (bucket or 0 = any, regime)
         self.kept: dict[tuple[int, float], MovingMean] = {}  # beside ``expected``: tokens kept
+        # request id -> [expected tokens summed over its drafting steps, those steps, its regime]
+        self._totals: dict[str, tuple[float, int, float]] = {}
+        self._request_means: dict[float, deque[float]] = {}  # regime -> departed requests' means
 
     def keep_only(self, live: set[str]) -> None:
-        """Forget the requests that left."""
+        """Forget the requests that left, keeping each one's mean tokens per drafting step."""
+        for rid in [rid for rid in self._totals if rid not in live]:
+            total, steps, regime = self._totals.pop(rid)
+            if steps >= MIN_REQUEST_STEPS:
+                means = self._request_means.setdefault(regime, deque(maxlen=REQUEST_MEANS))
+                means.append(total / steps)
         self.own = {rid: f for rid, f in self.own.items() if rid in live}
         self.drafts = {rid: c for rid, c in self.drafts.items() if rid in live}
         self.drafted_at = {rid: t for rid, t in self.drafted_at.items() if rid in live}
@@ -122,6 +138,11 @@ class RequestForecasts:
             return fallback * anywhere.value / self.prior.value
         return fallback
 
+    def request_means(self, regime: float) -> Sequence[float]:
+        """Expected tokens per drafting step of recent requests of this regime that left (each
+        one's mean over its drafting steps), most recent last."""
+        return self._request_means.get(regime_key(regime), ())
+
     def prior_samples(self, bucket: int, regime: float) -> int:
         """Drafting steps the prior of this regime at this load bucket rests on."""
         mean = self.expected.get((bucket, regime_key(regime)))
@@ -152,6 +173,9 @@ class RequestForecasts:
                     self.expected.setdefault(where, MovingMean()).update(expected / rows, smoothing)
                     self.kept.setdefault(where, MovingMean()).update(emitted / rows, smoothing)
         for i, (rid, n) in enumerate(zip(request_ids, tokens, strict=True)):
+            if regimes is not None:
+                total, steps, _ = self._totals.get(rid, (0.0, 0, 0.0))
+                self._totals[rid] = (total + n, steps + 1, regime_key(regimes[i]))
             if rid in self.own:  # its own, aged as the forecast the choice was made on
                 base = bucket_mean if regimes is None else self.regime_prior(bucket, regimes[i], bucket_mean)
                 prior = self._aged(rid, base, now)
