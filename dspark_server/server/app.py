@@ -71,6 +71,11 @@ _ERROR_DESCRIPTIONS = {
 }
 
 
+def _unavailable(message: str, code: str) -> Response:
+    """A 503 of the probes (``/health``, ``/ready``) with an OpenAI-style error body."""
+    return error_response(APIError(503, message, "service_unavailable", code=code))
+
+
 # ---- the app ---------------------------------------------------------------------------------
 
 
@@ -124,13 +129,9 @@ def create_app(backend: Backend | None, cfg: ServerConfig, model_name: str) -> F
     )
     async def health() -> Response:
         if state.backend is None:
-            return error_response(
-                APIError(503, "server is loading", "service_unavailable", code="server_loading")
-            )
+            return _unavailable("server is loading", "server_loading")
         if not state.backend.ready:
-            return error_response(
-                APIError(503, "the engine is not running", "service_unavailable", code="engine_down")
-            )
+            return _unavailable("the engine is not running", "engine_down")
         return JSONResponse(HealthResponse().model_dump())
 
     @app.get(
@@ -142,9 +143,7 @@ def create_app(backend: Backend | None, cfg: ServerConfig, model_name: str) -> F
     async def ready() -> Response:
         if not state.ready:
             reason = "draining" if state.draining else "loading"
-            return error_response(
-                APIError(503, f"server is {reason}", "service_unavailable", code=f"server_{reason}")
-            )
+            return _unavailable(f"server is {reason}", f"server_{reason}")
         return JSONResponse(ReadyResponse().model_dump())
 
     @app.get(
