@@ -86,9 +86,14 @@ class DraftGate(GateMemory):
         if not newcomer_upside >= 0.0:
             raise ValueError("newcomer_upside must be >= 0")
         super().__init__(
-            smoothing, request_smoothing, prior_smoothing, min_samples, forecast_half_life, ratio_prior_steps
+            smoothing,
+            request_smoothing,
+            prior_smoothing,
+            min_samples,
+            forecast_half_life,
+            ratio_prior_steps,
+            forward_seconds,
         )
-        self.forward_seconds = forward_seconds
         self.explore_every = explore_every
         self.max_explore_interval = max_explore_interval
         self.max_explore_overhead = max_explore_overhead
@@ -111,6 +116,7 @@ class DraftGate(GateMemory):
         # whether the last two choices drafted for every request (None: not asked): a drafting
         # step is warm when the choice before it drafted too
         self._last_drafted: bool | None = None
+        self._before_drafted: bool | None = None
         self._stay = 0  # drafting choices in a row so far (whole steps), at load bucket _stay_key
         self._stay_key = 0
         self._run_left = 0  # drafting steps left in the current exploration run
@@ -410,6 +416,7 @@ class DraftGate(GateMemory):
             self.record_plain(load, seconds)
             return
         self._hold = None  # forecasts move: the next choice is made in full
+        after_plain = self._before_drafted is False
         self._learn_drafting(
-            request_ids, tokens, seconds, (switch_seconds, prompt_seconds), load, regimes, kept
+            request_ids, tokens, seconds, switch_seconds, prompt_seconds, load, regimes, kept, after_plain
         )

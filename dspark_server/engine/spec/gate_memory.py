@@ -28,6 +28,7 @@ class GateMemory:
         min_samples: int,
         forecast_half_life: float,
         ratio_prior_steps: float,
+        forward_seconds: Callable[[int], float] | None,
     ) -> None:
         if not all(0.0 < x <= 1.0 for x in (smoothing, request_smoothing, prior_smoothing)):
             raise ValueError("smoothing, request_smoothing and prior_smoothing must be in (0, 1]")
@@ -36,9 +37,8 @@ class GateMemory:
         self.smoothing = smoothing
         self.min_samples = max(1, min_samples)
         # the target forward's time at B batch tokens: scales a measured bucket to a new load
-        self.forward_seconds: Callable[[int], float] | None = None
+        self.forward_seconds = forward_seconds
         self._steps = 0  # choices made so far: the clock forecasts age by
-        self._before_drafted: bool | None = None  # whether the choice before the last drafted
         self._buckets: dict[int, LoadBucket] = {}
         self.forecasts = RequestForecasts(
             request_smoothing, prior_smoothing, forecast_half_life, self.min_samples, ratio_prior_steps
@@ -100,16 +100,15 @@ class GateMemory:
         request_ids: Sequence[str],
         tokens: Sequence[float],
         seconds: float,
-        switch_and_prompts: tuple[float, float],
+        switch_seconds: float,
+        prompt_seconds: float,
         load: int,
         regimes: Sequence[float] | None,
         kept: Sequence[float] | None,
+        after_plain: bool,
     ) -> None:
-        """A finished drafting step (``DraftGate.record`` has the arguments' meaning):
-        ``switch_and_prompts``: the catch-up of the context writes plain steps put off, and its
-        prompts' share; ``load``: the step's decoding requests."""
-        after_plain = self._before_drafted is False
-        switch_seconds, prompt_seconds = switch_and_prompts
+        """A finished drafting step (``DraftGate.record`` has the arguments' meaning): ``load``:
+        the step's decoding requests; ``after_plain``: the choice before it was a plain step."""
         key = self.bucket_of(load)
         b = self._bucket(load)
         switch = switch_seconds if switch_seconds > 0 and math.isfinite(switch_seconds) else 0.0
