@@ -101,6 +101,7 @@ def _sglang_config(a: argparse.Namespace, spec_mode: str | None = None) -> SGLan
             random_seed=a.random_seed,
             deterministic=a.deterministic,
             enable_metrics=a.sglang_metrics,
+            prefix_cache=not getattr(a, "no_prefix_cache", False),
             extra_server_args=parse_extra_server_args(a.sglang_arg),
         )
     except ValueError as exc:

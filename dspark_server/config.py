@@ -190,6 +190,9 @@ class EngineConfig:
     # where set, else bfloat16 where the weights are served in bfloat16, else ``dtype``
     # (``resolved_kv_cache_dtype``; the drafter's context cache follows where its fused calls read it).
     kv_cache_dtype: str = "auto"
+    # Keep full KV pages of finished (and running) requests and start a prompt after the longest
+    # cached prefix it shares with them (engine/prefix_cache.py); False: every prompt prefilled.
+    prefix_cache: bool = True
     spec: SpeculativeConfig = field(default_factory=SpeculativeConfig)
 
     def resolved_weight_dtype(self) -> str:

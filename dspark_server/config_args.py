@@ -203,6 +203,12 @@ def add_engine_args(
         if f.flag == "--max-queued" and not serving:
             continue
         c.add_argument(f.flag, type=f.type, default=field_default(f.owner, f.field), help=f.help)
+    c.add_argument(
+        "--no-prefix-cache",
+        action="store_true",
+        help="prefill every prompt in full (by default full KV pages outlive their request and a "
+        "prompt starts after the longest prefix it shares with cached ones)",
+    )
 
 
 def _arg(ns: argparse.Namespace, f: _Flag) -> Any:
@@ -242,6 +248,7 @@ def engine_config_from_args(
         attention_impl=getattr(ns, "attention_impl", None),
         layer_kernels=not getattr(ns, "no_layer_kernels", False),
         fused_forward=not getattr(ns, "no_fused_forward", False),
+        prefix_cache=not getattr(ns, "no_prefix_cache", False),
         weight_dtype=getattr(ns, "weight_dtype", None) or field_default(EngineConfig, "weight_dtype"),
         kv_cache_dtype=getattr(ns, "kv_cache_dtype", None) or field_default(EngineConfig, "kv_cache_dtype"),
         spec=spec,

@@ -108,6 +108,23 @@ def test_chat_and_completions_stream_and_not_with_usage(client: openai.OpenAI) -
     assert one.choices[0].text == comp.choices[0].text
 
 
+def test_a_repeated_prompt_reports_its_cached_tokens(client: openai.OpenAI) -> None:
+    """The prefix cache keeps full pages (16 tokens) of a finished prompt: a prompt sharing them
+    is served from them, with the same greedy text, and its usage says how many it reused."""
+    shared = [(7 * i + 3) % 90 + 10 for i in range(36)]
+    kw: dict[str, Any] = dict(model="tiny", max_tokens=8, temperature=0)
+    first = client.completions.create(prompt=shared + [1, 2, 3], **kw)
+    again = client.completions.create(prompt=shared + [1, 2, 3], **kw)
+    assert first.usage.prompt_tokens_details.cached_tokens == 0
+    assert again.usage.prompt_tokens_details.cached_tokens == 32  # 2 full pages of the 38 looked up
+    assert again.choices[0].text == first.choices[0].text
+    stream = client.completions.create(
+        prompt=shared[:33] + [4], stream=True, stream_options={"include_usage": True}, **kw
+    )
+    usage = [c.usage for c in stream if c.usage][0]
+    assert usage.prompt_tokens == 34 and usage.prompt_tokens_details.cached_tokens == 32
+
+
 def test_seed_makes_sampling_reproducible(client: openai.OpenAI) -> None:
     kw: dict[str, Any] = dict(model="tiny", prompt=[5, 6, 7], max_tokens=16, temperature=1.0)
     a = client.completions.create(seed=42, **kw).choices[0].text

@@ -41,10 +41,11 @@ def test_flags_reach_the_config() -> None:
     add_engine_args(p)
     flags = "--model /m --draft /d --gamma 3 --threshold 0.3 --max-running 5 --page-size 32"
     more = "--no-draft-gate --sps-only-cost --profile p.json --greedy-calibration g.json --no-fused-forward"
-    more += " --weight-dtype bfloat16"
+    more += " --weight-dtype bfloat16 --no-prefix-cache"
     ns = p.parse_args([*flags.split(), *more.split()])
     cfg = engine_config_from_args(ns)
     assert (cfg.draft_dir, cfg.max_running, cfg.page_size) == ("/d", 5, 32)
+    assert not cfg.prefix_cache and engine_config_from_args(p.parse_args(flags.split())).prefix_cache
     assert (cfg.fused_forward, cfg.layer_kernels, cfg.weight_dtype) == (False, True, "bfloat16")
     assert engine_config_from_args(p.parse_args(flags.split())).weight_dtype == "auto"
     assert cfg.spec == SpeculativeConfig(

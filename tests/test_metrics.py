@@ -85,7 +85,11 @@ def test_counters_equal_the_workload(server: LoggedServer) -> None:
     spec = [u.model_extra["spec"] for u in usages]
     completion = sum(u.completion_tokens for u in usages)
     assert _delta(after, before, "dspark_generation_tokens_total") == completion
-    assert _delta(after, before, "dspark_prompt_tokens_total") == sum(u.prompt_tokens for u in usages)
+    prompt = sum(u.prompt_tokens for u in usages)
+    cached = sum(u.prompt_tokens_details.cached_tokens for u in usages)
+    assert _delta(after, before, "dspark_prompt_tokens_total") == prompt - cached
+    assert _delta(after, before, "dspark_prefix_cache_hits_total") == cached
+    assert _delta(after, before, "dspark_prefix_cache_queries_total") == prompt - len(usages)
     assert _delta(after, before, "dspark_requests_total", endpoint="/v1/completions", status="200") == n
     assert _delta(after, before, "dspark_request_success_total", finished_reason="length") == n
     rounds = sum(s["rounds"] for s in spec)

@@ -204,7 +204,7 @@ def _configs(tmp: Path) -> list[SGLangConfig]:
             sps_table_path="x.json",
             sts_path="y.json",
         ),
-        SGLangConfig(model_path="/m/target", spec_mode="off", max_running=8),
+        SGLangConfig(model_path="/m/target", spec_mode="off", max_running=8, prefix_cache=False),
     ]
 
 
@@ -256,6 +256,9 @@ def test_fixed_and_off_modes() -> None:
     assert build_env(fixed) == {"SGLANG_RAGGED_VERIFY_MODE": "static"}
     off = SGLangConfig(model_path="t", draft_path="d", spec_mode="off")
     assert not any(k.startswith("speculative") for k in build_server_kwargs(off))
+    assert "disable_radix_cache" not in build_server_kwargs(off)  # SGLang's radix cache stays on
+    uncached = SGLangConfig(model_path="t", spec_mode="off", prefix_cache=False)
+    assert build_server_kwargs(uncached)["disable_radix_cache"] is True  # --no-prefix-cache
     assert build_env(off) == {}
     over = SGLangConfig(model_path="t", draft_path="d", verify_mode="cap-accept")
     assert build_env(over) == {"SGLANG_RAGGED_VERIFY_MODE": "cap-accept"}

@@ -94,7 +94,11 @@ def test_a_step_whose_budget_prefill_fills_drafts_for_nobody(pair: tuple[Path, P
         engine.step()
     rounds = {r.request_id: r.spec.rounds for r in engine.scheduler.running}
     engine.add_request(
-        "more", list(range(4, 24)), SamplingParams(temperature=0, max_tokens=4), lambda _o: None
+        # (not a prefix of the last prompt, which the prefix cache would serve)
+        "more",
+        list(range(23, 3, -1)),
+        SamplingParams(temperature=0, max_tokens=4),
+        lambda _o: None,
     )
     engine.step()  # 20 decodes + the 20-token prompt: room for 8 draft tokens, so 8 requests draft
     drafted = [r for r in engine.scheduler.running if r.spec.rounds > rounds.get(r.request_id, 0)]

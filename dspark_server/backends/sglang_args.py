@@ -49,6 +49,7 @@ _OWNED_KWARGS = frozenset(
         "random_seed",
         "enable_deterministic_inference",
         "enable_metrics",
+        "disable_radix_cache",
         "speculative_algorithm",
         "speculative_draft_model_path",
         "speculative_dspark_block_size",
@@ -85,6 +86,7 @@ class SGLangConfig:
     random_seed: int | None = None
     deterministic: bool = False  # per-request seeds only take effect in this mode
     enable_metrics: bool = False  # SGLang's own sglang:* Prometheus metrics
+    prefix_cache: bool = True  # SGLang's radix cache (--no-prefix-cache: disable_radix_cache)
     log_level: str = "error"
     verify_mode: str | None = None  # override SGLANG_RAGGED_VERIFY_MODE (default from spec_mode)
     extra_server_args: tuple[tuple[str, Any], ...] = ()
@@ -162,6 +164,8 @@ def build_server_kwargs(cfg: SGLangConfig, **overrides: Any) -> dict[str, Any]:
         kw["enable_deterministic_inference"] = True
     if cfg.enable_metrics:
         kw["enable_metrics"] = True
+    if not cfg.prefix_cache:
+        kw["disable_radix_cache"] = True
     if cfg.speculative:
         kw["speculative_algorithm"] = "DSPARK"
         kw["speculative_draft_model_path"] = cfg.draft_path

@@ -60,7 +60,9 @@ class LLMEngine:
             spec = build_speculative(cfg, self.runner)
         self.spec = spec
         lookahead = self.spec.gamma if self.spec is not None else 0
-        self.scheduler = Scheduler(cfg, self.runner.allocator, decode_lookahead=lookahead)
+        self.scheduler = Scheduler(
+            cfg, self.runner.allocator, decode_lookahead=lookahead, prefix_needs_context=spec is not None
+        )
         self.outputs = OutputProcessor(self.tokenizer, self.eos_token_ids)
         self._sampling = SamplingCache()
         self.stats = EngineStats(kv_total_pages=self.runner.allocator.capacity_pages)
@@ -262,7 +264,11 @@ class LLMEngine:
     def _update_gauges(self) -> None:
         self.stats.num_running = len(self.scheduler.running)
         self.stats.num_waiting = len(self.scheduler.waiting)
-        self.stats.kv_free_pages = self.runner.allocator.free_pages
+        alloc = self.runner.allocator
+        self.stats.kv_free_pages = alloc.free_pages
+        if alloc.cache is not None:
+            self.stats.prefix_cache_queries = alloc.cache.queries
+            self.stats.prefix_cache_hits = alloc.cache.hits
 
 
 def eos_token_ids(model_dir: str, from_config: tuple[int, ...], tokenizer: Tokenizer) -> tuple[int, ...]:

@@ -53,7 +53,7 @@ class ModelRunner:
         self.cfg = cfg
         self.dtype = resolve_dtype(cfg.dtype)
         self.target = target if target is not None else load_target(cfg.model_dir, self.dtype)
-        self.allocator = PageAllocator(cfg.resolved_num_pages(), cfg.page_size)
+        self.allocator = PageAllocator(cfg.resolved_num_pages(), cfg.page_size, cfg.prefix_cache)
         weight_dtype = cfg.resolved_weight_dtype()
         if weight_dtype not in ("float32", "bfloat16"):
             raise ValueError(f"weight_dtype must be auto, float32 or bfloat16, got {weight_dtype!r}")

@@ -101,6 +101,7 @@ class OutputProcessor:
             completion_tokens=len(req.output_ids),
             spec=replace(req.spec),
             error=error,
+            cached_tokens=req.cached_tokens or 0,
         )
         req.sent_text_len = visible
         req.sent_token_len = len(req.output_ids)

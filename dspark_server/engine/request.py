@@ -102,6 +102,7 @@ class RequestOutput:
     completion_tokens: int
     spec: SpecStats
     error: str | None = None
+    cached_tokens: int = 0  # prompt tokens served from the prefix cache
 
 
 @dataclass(eq=False)  # identity: ``req in running`` must not compare every field
@@ -119,6 +120,7 @@ class Request:
     spec: SpecStats = field(default_factory=SpecStats)
     generator: torch.Generator = field(default_factory=torch.Generator)
     first_scheduled_time: float | None = None
+    cached_tokens: int | None = None  # prompt tokens found in the prefix cache at first admission
     first_token_time: float | None = None
     # Text already delivered to the client: stop strings can hold back a tail of output_text.
     sent_text_len: int = 0

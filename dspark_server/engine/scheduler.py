@@ -47,12 +47,21 @@ class SchedulerOutput:
 
 
 class Scheduler:
-    def __init__(self, cfg: EngineConfig, allocator: PageAllocator, decode_lookahead: int = 0) -> None:
+    def __init__(
+        self,
+        cfg: EngineConfig,
+        allocator: PageAllocator,
+        decode_lookahead: int = 0,
+        prefix_needs_context: bool = False,
+    ) -> None:
         """``decode_lookahead``: extra cache positions a decode may write (γ for speculation):
-        reserved in the KV cache, not charged to the step's token budget."""
+        reserved in the KV cache, not charged to the step's token budget.
+        ``prefix_needs_context``: a cached prefix is reused only where the drafter's K/V of its
+        pages are written too (speculative modes: a request may draft)."""
         self.cfg = cfg
         self.allocator = allocator
         self.decode_lookahead = decode_lookahead
+        self.prefix_needs_context = prefix_needs_context
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
 
@@ -69,7 +78,9 @@ class Scheduler:
             self.running.remove(request)
         elif request in self.waiting:
             self.waiting.remove(request)
-        self.allocator.release(request.table)
+        # a failed step may have left its positions half written: nothing of it is cached
+        failed = request.finish_reason == "error"
+        self.allocator.release(request.table, None if failed else request.all_ids)
 
     def schedule(self) -> SchedulerOutput:
         preempted: list[Request] = []
@@ -87,6 +98,8 @@ class Scheduler:
                     break
             if req in self.running:
                 decodes.append(req)
+                if req.table.length >= (req.table.named + 1) * self.allocator.page_size:
+                    self.allocator.name_full_pages(req.table, req.all_ids)
                 # Only the anchor token is charged: drafts are verified in what prefill leaves
                 # (the speculative step caps sum l by it), so prefill gets what plain decoding
                 # would give it.
@@ -107,8 +120,13 @@ class Scheduler:
             budget -= chunk.num_tokens
         while budget > 0 and self.waiting and len(self.running) < self.cfg.max_running:
             req = self.waiting[0]
+            if not req.table.pages:
+                found = self.allocator.match_prefix(req.table, req.all_ids, self.prefix_needs_context)
+                if req.cached_tokens is None:
+                    req.cached_tokens = found
             chunk = self._chunk(req, budget)
             if chunk is None:
+                self.allocator.release(req.table)  # the cached pages wait in the cache, not here
                 break
             self.waiting.popleft()
             req.status = Status.RUNNING
@@ -121,11 +139,14 @@ class Scheduler:
         n = min(req.num_tokens - req.num_computed, budget, self.cfg.prefill_chunk)
         if n <= 0 or not self.allocator.reserve(req.table, req.num_computed + n):
             return None
+        if req.num_computed >= (req.table.named + 1) * self.allocator.page_size:
+            self.allocator.name_full_pages(req.table, req.all_ids)  # a long prompt's chunks so far
         return ScheduledChunk.next_for(req, n)
 
     def _preempt(self, req: Request) -> None:
-        """Recompute-style preemption: drop the cache, keep the tokens, requeue at the front."""
+        """Recompute-style preemption: drop the cache, keep the tokens, requeue at the front. Its
+        full pages stay in the prefix cache, where they may still be when it runs again."""
         self.running.remove(req)
-        self.allocator.release(req.table)
+        self.allocator.release(req.table, req.all_ids)
         req.status = Status.WAITING
         self.waiting.appendleft(req)

@@ -38,7 +38,9 @@ class EngineStats:
     num_running: int = 0
     num_waiting: int = 0
     steps: int = 0
-    prompt_tokens: int = 0
+    prompt_tokens: int = 0  # prompt tokens computed (prefix-cache hits are not)
+    prefix_cache_queries: int = 0  # prompt tokens looked up in the prefix cache
+    prefix_cache_hits: int = 0  # of those, tokens found (their prefill skipped)
     generation_tokens: int = 0
     finished_requests: int = 0
     finished_by_reason: dict[str, int] = field(default_factory=dict)

@@ -185,6 +185,16 @@ def _request_families(s: EngineStats) -> Iterator[Metric]:
         s.prompt_tokens,
     )
     yield _counter(
+        "dspark_prefix_cache_queries",
+        "Prompt tokens looked up in the prefix cache (each prompt but its last token).",
+        s.prefix_cache_queries,
+    )
+    yield _counter(
+        "dspark_prefix_cache_hits",
+        "Prompt tokens found in the prefix cache (their prefill skipped).",
+        s.prefix_cache_hits,
+    )
+    yield _counter(
         "dspark_generation_tokens", "Tokens generated (delivered to requests).", s.generation_tokens
     )
     yield _counter("dspark_engine_steps", "Engine steps that ran a forward.", s.steps)

@@ -199,10 +199,15 @@ class SpecUsage(BaseModel):
 FinishReason = Literal["stop", "length"] | None
 
 
+class PromptTokensDetails(BaseModel):
+    cached_tokens: int = 0  # found in the prefix cache: their prefill was skipped
+
+
 class Usage(BaseModel):
     prompt_tokens: int
     completion_tokens: int
     total_tokens: int
+    prompt_tokens_details: PromptTokensDetails | None = None
     spec: SpecUsage | None = None
 
 

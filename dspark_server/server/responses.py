@@ -12,6 +12,7 @@ from dspark_server.server.protocol import (
     CompletionChoice,
     CompletionResponse,
     FinishReason,
+    PromptTokensDetails,
     ResponseMessage,
     SpecUsage,
     Usage,
@@ -31,6 +32,7 @@ def usage_of(out: RequestOutput) -> Usage:
         prompt_tokens=out.prompt_tokens,
         completion_tokens=out.completion_tokens,
         total_tokens=out.prompt_tokens + out.completion_tokens,
+        prompt_tokens_details=PromptTokensDetails(cached_tokens=out.cached_tokens),
         spec=SpecUsage.model_validate(out.spec.as_dict()),
     )
 

@@ -79,6 +79,8 @@ class ContextWrites:
         if writes is None:
             return 0.0
         self.drafter.write_context(writes.features, writes.positions, writes.slots, self.pool)
+        if alloc.cache is not None:
+            alloc.cache.mark_context(writes.slots.numpy())
         return writes.prompt_rows / max(1, int(writes.positions.numel()))
 
     def _write(self, alloc: PageAllocator, forward: ForwardResult, rows: list[_ContextRows]) -> None:
@@ -92,3 +94,5 @@ class ContextWrites:
         slots = np.concatenate([alloc.slot_run(r.table, r.position, r.count) for r in rows])
         features = take_rows(hidden, torch.from_numpy(packed))
         self.drafter.write_context(features, torch.from_numpy(positions), torch.from_numpy(slots), self.pool)
+        if alloc.cache is not None:  # these pages' drafter K/V: a cached prefix may be reused to draft
+            alloc.cache.mark_context(slots)
