@@ -155,9 +155,7 @@ class PageAllocator:
         cache = self.cache
         if cache is None or table.pages:
             return 0
-        limit = len(tokens) - 1
-        cache.queries += max(0, limit)
-        full = limit // self.page_size
+        full = (len(tokens) - 1) // self.page_size
         if full < 1:
             return 0
         extend_hashes(table.hashes, tokens, self.page_size, full)
@@ -171,7 +169,6 @@ class PageAllocator:
             self._extend_slots(table, 0)
         table.length = table.named = len(pages)
         table.length *= self.page_size
-        cache.hits += table.length
         return table.length
 
     def slots(self, table: PageTable, start: int, end: int) -> torch.Tensor:

@@ -50,7 +50,7 @@ class PrefixCache:
         self._hash_of: dict[int, bytes] = {}
         self._idle: OrderedDict[int, None] = OrderedDict()  # least recently left first
         self.context = np.zeros(num_pages * page_size, dtype=bool)  # drafter K/V written
-        self.queries = 0  # prompt tokens looked up (at most the prompt less its last token)
+        self.queries = 0  # prompt tokens looked up by admitted requests (each prompt less its last)
         self.hits = 0  # of those, tokens found
 
     @property
@@ -60,6 +60,11 @@ class PrefixCache:
     @property
     def num_named(self) -> int:
         return len(self._page_of)
+
+    def record(self, looked_up: int, found: int) -> None:
+        """A request was admitted after looking up ``looked_up`` tokens and finding ``found``."""
+        self.queries += looked_up
+        self.hits += found
 
     def named(self, page: int) -> bool:
         return page in self._hash_of

@@ -120,14 +120,17 @@ class Scheduler:
             budget -= chunk.num_tokens
         while budget > 0 and self.waiting and len(self.running) < self.cfg.max_running:
             req = self.waiting[0]
+            found = None
             if not req.table.pages:
                 found = self.allocator.match_prefix(req.table, req.all_ids, self.prefix_needs_context)
-                if req.cached_tokens is None:
-                    req.cached_tokens = found
             chunk = self._chunk(req, budget)
             if chunk is None:
                 self.allocator.release(req.table)  # the cached pages wait in the cache, not here
                 break
+            if found is not None and self.allocator.cache is not None:
+                self.allocator.cache.record(req.num_tokens - 1, found)
+                if req.cached_tokens is None:  # what its usage reports: the first admission's
+                    req.cached_tokens = found
             self.waiting.popleft()
             req.status = Status.RUNNING
             self.running.append(req)
