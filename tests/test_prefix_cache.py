@@ -258,3 +258,25 @@ def test_a_running_requests_prompt_is_shared_with_prompts_admitted_after_it(pair
     assert col.final("b").cached_tokens == full_pages(21)
     cold = serve(make_engine(target, None, "off", page_size=PS, prefix_cache=False), [[system + [4]]], 40)
     assert col.tokens("b") == cold.tokens("0-0")
+
+
+def test_where_drafting_stopped_a_prefix_without_drafter_context_is_reused_without_drafting(
+    pair: tuple[Path, Path], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Where the draft gate takes plain steps (pinned here), a prompt reuses cached pages whose
+    drafter K/V were never written, and that request decodes without drafting; the tokens are a
+    cold prefill's, and a request with a prompt of its own still drafts."""
+    target, draft = pair
+    prompt = [int(t) for t in np.random.default_rng(4).integers(0, 24, 30)]
+    other = [int(t) for t in np.random.default_rng(5).integers(0, 24, 30)]
+    engine = make_engine(target, draft, "fixed", page_size=PS)
+    assert engine.spec is not None
+    monkeypatch.setattr(engine.spec, "prefix_needs_context", lambda: False)
+    serve(engine, [[prompt]], max_tokens=1)  # never drafts: its pages lack the drafter's K/V
+    warm = serve(engine, [[prompt, other]])
+    cold = serve(make_engine(target, draft, "fixed", page_size=PS, prefix_cache=False), [[prompt, other]])
+    assert warm.final("0-0").cached_tokens == 28
+    assert warm.final("0-0").spec.rounds == 0  # no context to draft from: plain decoding
+    assert cold.final("0-0").spec.rounds > 0
+    assert warm.final("0-1").spec == cold.final("0-1").spec  # its own prompt: drafts as before
+    assert warm.tokens("0-0") == cold.tokens("0-0") and warm.tokens("0-1") == cold.tokens("0-1")

@@ -129,6 +129,8 @@ class LLMEngine:
     @inference_mode
     def step(self) -> None:
         self.process_inbox()
+        if self.spec is not None:
+            self.scheduler.prefix_needs_context = self.spec.prefix_needs_context()
         sched = self.scheduler.schedule()
         self.stats.record_preemptions(len(sched.preempted))
         if sched.empty:

@@ -15,6 +15,8 @@ The drafter keeps its own K/V at the same slots, written from the target's captu
 and a step that does not draft puts those writes off (engine/spec/deferred_context.py). A page
 may therefore hold the target's K/V without the drafter's: ``context`` marks the slots whose
 drafter K/V are written, and a lookup that needs them stops at the first page not fully marked.
+Where the draft gate takes plain steps, a lookup takes pages without them too, and the request
+that starts from such pages never drafts (``Request.context_gap``).
 """
 
 from __future__ import annotations
@@ -75,7 +77,7 @@ class PrefixCache:
         pages: list[int] = []
         for h in hashes:
             page = self._page_of.get(h)
-            if page is None or (need_context and not self._drafted(page)):
+            if page is None or (need_context and not self.has_context(page)):
                 break
             pages.append(page)
         return pages
@@ -90,7 +92,7 @@ class PrefixCache:
                 self._page_of[page_hash] = page
                 self._hash_of[page] = page_hash
             return None
-        if old == page or old not in self._idle or not self._drafted(page) or self._drafted(old):
+        if old == page or old not in self._idle or not self.has_context(page) or self.has_context(old):
             return None
         del self._idle[old]
         del self._hash_of[old]
@@ -98,7 +100,8 @@ class PrefixCache:
         self._hash_of[page] = page_hash
         return old
 
-    def _drafted(self, page: int) -> bool:
+    def has_context(self, page: int) -> bool:
+        """Every slot of ``page`` holds the drafter's K/V."""
         ps = self.page_size
         return bool(self.context[page * ps : (page + 1) * ps].all())
 

@@ -121,6 +121,9 @@ class Request:
     generator: torch.Generator = field(default_factory=torch.Generator)
     first_scheduled_time: float | None = None
     cached_tokens: int | None = None  # prompt tokens found in the prefix cache at first admission
+    # its cached prefix lacks the drafter's K/V (taken while the draft gate took plain steps): the
+    # drafter cannot read its context, so it decodes without drafting
+    context_gap: bool = False
     first_token_time: float | None = None
     # Text already delivered to the client: stop strings can hold back a tail of output_text.
     sent_text_len: int = 0

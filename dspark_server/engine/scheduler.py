@@ -57,7 +57,9 @@ class Scheduler:
         """``decode_lookahead``: extra cache positions a decode may write (γ for speculation):
         reserved in the KV cache, not charged to the step's token budget.
         ``prefix_needs_context``: a cached prefix is reused only where the drafter's K/V of its
-        pages are written too (speculative modes: a request may draft)."""
+        pages are written too (speculative modes: a request may draft; the engine updates it
+        from the draft gate's latest choice). Where it is off, a request that starts from pages
+        without them is marked ``context_gap`` and never drafts."""
         self.cfg = cfg
         self.allocator = allocator
         self.decode_lookahead = decode_lookahead
@@ -127,8 +129,12 @@ class Scheduler:
             if chunk is None:
                 self.allocator.release(req.table)  # the cached pages wait in the cache, not here
                 break
-            if found is not None and self.allocator.cache is not None:
-                self.allocator.cache.record(req.num_tokens - 1, found)
+            cache = self.allocator.cache
+            if found is not None and cache is not None:
+                cache.record(req.num_tokens - 1, found)
+                req.context_gap = not all(
+                    cache.has_context(p) for p in req.table.pages[: found // cache.page_size]
+                )
                 if req.cached_tokens is None:  # what its usage reports: the first admission's
                     req.cached_tokens = found
             self.waiting.popleft()

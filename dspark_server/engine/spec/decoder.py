@@ -161,6 +161,7 @@ class SpeculativeDecoder:
         self.last_verify_lens: list[int] = []  # the last drafting step's, per decoding request
         self.lessons = HeldLessons()  # held steps' lessons (and plain steps' rows) waiting to be filed
         self._catch_up_due = False  # filed rows reached the backlog's bound: catch up at the next step
+        self._gate_drafted = True  # the gate's latest choice drafted (for at least one request)
         self._file_at = 1  # plain steps waiting that make a batch (set at each filing)
         self._sampling = SamplingCache()
         # Called once per step with every decoding request's round (calibration, evaluation).
@@ -173,7 +174,7 @@ class SpeculativeDecoder:
         tokens the step's budget leaves (at most that many requests can draft)."""
         gate = self.gate
         if not decodes or gate is None:
-            return list(decodes)
+            return [r for r in decodes if not r.context_gap]
         ids = tuple([r.request_id for r in decodes])
         if gate.holds(ids):  # a held choice reads no estimate: no lessons, no regimes
             chosen = gate.choose(ids)
@@ -183,7 +184,16 @@ class SpeculativeDecoder:
             regimes = [r.params.temperature for r in decodes]
             remaining = [r.params.max_tokens - len(r.output_ids) for r in decodes]
             chosen = gate.choose(ids, regimes, room, remaining)
-        return [decodes[i] for i in chosen] if chosen else []
+        self._gate_drafted = bool(chosen)
+        # a request whose cached prefix lacks the drafter's K/V cannot draft
+        return [decodes[i] for i in chosen if not decodes[i].context_gap] if chosen else []
+
+    def prefix_needs_context(self) -> bool:
+        """Whether a new request should reuse only cached pages that hold the drafter's K/V: yes
+        where every step drafts (no gate) or the gate's latest choice drafted; where it took a
+        plain step, the load is one where requests rarely draft, and a prefill saved is worth
+        more than drafting later."""
+        return self.gate is None or self._gate_drafted
 
     def file_lessons(self, alloc: PageAllocator | None = None) -> None:
         """File the held steps' waiting lessons and put-off rows (``HeldLessons``); where those
