@@ -59,10 +59,6 @@ class PrefixCache:
     def num_idle(self) -> int:
         return len(self._idle)
 
-    @property
-    def num_named(self) -> int:
-        return len(self._page_of)
-
     def record(self, looked_up: int, found: int) -> None:
         """A request was admitted after looking up ``looked_up`` tokens and finding ``found``."""
         self.queries += looked_up
