@@ -167,8 +167,8 @@ class PageAllocator:
         table.pages.extend(pages)
         if pages:
             self._extend_slots(table, 0)
-        table.length = table.named = len(pages)
-        table.length *= self.page_size
+        table.named = len(pages)
+        table.length = len(pages) * self.page_size
         return table.length
 
     def slots(self, table: PageTable, start: int, end: int) -> torch.Tensor:

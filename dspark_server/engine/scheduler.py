@@ -100,8 +100,7 @@ class Scheduler:
                     break
             if req in self.running:
                 decodes.append(req)
-                if req.table.length >= (req.table.named + 1) * self.allocator.page_size:
-                    self.allocator.name_full_pages(req.table, req.all_ids)
+                self._name_full_pages(req)
                 # Only the anchor token is charged: drafts are verified in what prefill leaves
                 # (the speculative step caps sum l by it), so prefill gets what plain decoding
                 # would give it.
@@ -148,9 +147,15 @@ class Scheduler:
         n = min(req.num_tokens - req.num_computed, budget, self.cfg.prefill_chunk)
         if n <= 0 or not self.allocator.reserve(req.table, req.num_computed + n):
             return None
-        if req.num_computed >= (req.table.named + 1) * self.allocator.page_size:
-            self.allocator.name_full_pages(req.table, req.all_ids)  # a long prompt's chunks so far
+        self._name_full_pages(req)  # a long prompt's chunks so far
         return ScheduledChunk.next_for(req, n)
+
+    def _name_full_pages(self, req: Request) -> None:
+        """Offer the request's newly filled pages to the prefix cache. The check comes first:
+        it runs for every decoding request at every step, and ``all_ids`` builds a list."""
+        alloc = self.allocator
+        if alloc.cache is not None and req.table.length >= (req.table.named + 1) * alloc.page_size:
+            alloc.name_full_pages(req.table, req.all_ids)
 
     def _preempt(self, req: Request) -> None:
         """Recompute-style preemption: drop the cache, keep the tokens, requeue at the front. Its
