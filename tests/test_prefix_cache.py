@@ -280,3 +280,35 @@ def test_where_drafting_stopped_a_prefix_without_drafter_context_is_reused_witho
     assert cold.final("0-0").spec.rounds > 0
     assert warm.final("0-1").spec == cold.final("0-1").spec  # its own prompt: drafts as before
     assert warm.tokens("0-0") == cold.tokens("0-0") and warm.tokens("0-1") == cold.tokens("0-1")
+
+
+def test_a_request_that_stops_inside_a_round_leaves_only_the_pages_its_tokens_name(tmp_path: Path) -> None:
+    """A request that stops inside a speculative round (a stop token among the drafts the
+    target accepted) keeps the K/V of drafts past its last token. Its pages are named only as
+    far as its tokens go: greedy and sampled, each request ends for its own reason, never an
+    engine error, with a cold engine's tokens, and no page leaks."""
+    from mimic_pair import VOCAB, build_mimic_pair
+
+    target, draft = build_mimic_pair(tmp_path)
+    n_requests = 32
+    for temperature in (0.0, 1.0):
+        engines = [make_engine(target, draft, "fixed", page_size=PS, prefix_cache=c) for c in (False, True)]
+        cols = []
+        for engine in engines:
+            col = Collector()
+            for n in range(n_requests):
+                stop = ((n * 3) % VOCAB,)
+                params = SamplingParams(max_tokens=40, temperature=temperature, seed=n, stop_token_ids=stop)
+                prompt = [1 + n % 5, 2, 3, 4, 5, (n * 7) % VOCAB, 6]
+                engine.add_request(str(n), prompt, params, col.sink(str(n)))
+            run_all(engine)
+            cols.append(col)
+            alloc = engine.runner.allocator
+            assert alloc.free_pages == alloc.capacity_pages
+        cold, warm = cols
+        reasons = [warm.final(str(n)).finish_reason for n in range(n_requests)]
+        assert reasons == [cold.final(str(n)).finish_reason for n in range(n_requests)], temperature
+        assert "error" not in reasons and "stop" in reasons, reasons
+        for n in range(n_requests):
+            assert warm.tokens(str(n)) == cold.tokens(str(n)), (temperature, n)
+        assert sum(warm.final(str(n)).spec.rounds for n in range(n_requests)) > 2 * n_requests

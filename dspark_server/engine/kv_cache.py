@@ -137,8 +137,10 @@ class PageAllocator:
 
     def name_full_pages(self, table: PageTable, tokens: Sequence[int]) -> None:
         """Offer the table's full pages of cached tokens to the prefix cache (no-op without one);
-        ``tokens``: the sequence's tokens, at least its ``length`` cached ones."""
-        full = table.length // self.page_size
+        ``tokens``: the sequence's tokens. A page is full when the cache holds all its positions
+        and their tokens are known: a request that stops inside a speculative round keeps the
+        K/V of drafts accepted past its last token, which no token of the sequence names."""
+        full = min(table.length, len(tokens)) // self.page_size
         if self.cache is None or full <= table.named:
             return
         extend_hashes(table.hashes, tokens, self.page_size, full)
