@@ -308,6 +308,8 @@ def test_held_out_ece_measures_the_calibration_on_rounds_it_was_not_fit_on() -> 
     same = held_out_ece(cal, as_rounds(*biased_rounds(30_000, 4, bias=2.0, seed=1)), 0.7)
     assert same.regime == 0.7 and same.rounds == 30_000 and same.prompts == 600
     assert max(same.calibrated) < 0.015, same.calibrated
+    # 30,000 rounds: a calibrated survival measures a few tenths of a per cent by chance alone
+    assert all(0.0005 < f < p < 0.01 for f, p in zip(same.floor, same.floor_p95, strict=True)), same.floor
     assert min(same.raw) > 0.05 and max(same.raw) > 0.1, same.raw  # the bias the fit removed
     for p, r in zip(same.predicted, same.realised, strict=True):
         assert abs(p - r) < 0.015
@@ -343,8 +345,9 @@ def test_calibrate_evaluate_writes_a_report_per_temperature(tmp_path: Path) -> N
     for row in rows:
         assert row["regime"] == row["sampling_temperature"] and row["prompts"] == 2
         assert row["rounds"] >= 4
-        for key in ("raw", "sts", "calibrated", "realised", "predicted"):
+        for key in ("raw", "sts", "calibrated", "realised", "predicted", "floor", "floor_p95"):
             assert len(row[key]) == 7 and all(0.0 <= v <= 1.0 for v in row[key])
+        assert all(m <= p for m, p in zip(row["floor"], row["floor_p95"], strict=True))
         assert (tmp_path / f"ece.t{row['sampling_temperature']:g}.png").stat().st_size > 10_000
     assert load_calibration_set(DEMO_DRAFT / "sts_calibration.json").sampling_temperatures == SHIPPED_REGIMES
 

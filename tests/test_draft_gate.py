@@ -827,3 +827,33 @@ def test_a_newcomer_is_explored_where_requests_before_it_show_learning_it_pays()
     # a newcomer with 5 tokens left, or requests that all drafted slower than plain steps
     assert drafting_steps(gate_after(6.0), 5) == 0
     assert drafting_steps(gate_after(2.0), 120) == 0
+
+
+def test_a_plain_step_time_far_off_after_a_long_gap_starts_over() -> None:
+    """A load's plain step time learnt while the machine was busy (3.3 ms) is not what plain
+    steps cost later (0.8 ms). While drafting (3 tokens per 4.2 ms) seems to win, plain steps
+    are taken only to refresh that time, one every tens to hundreds of steps: the first such
+    refresh, far off the estimate after a long gap, restarts it, and the gate turns to plain
+    steps at once, where a moving average would keep drafting for thousands of steps."""
+
+    def drafting_steps(gate: DraftGate, steps: int) -> tuple[int, int]:
+        drafted_total, first_plain = 0, -1
+        for step in range(steps):
+            drafted = drafts_all(gate, ["e"])
+            drafted_total += drafted
+            if not drafted and first_plain < 0:
+                first_plain = step
+            gate.record(["e"], drafted, [3.0] if drafted else [1], 0.0042 if drafted else 0.0008)
+        return drafted_total, first_plain
+
+    gate = DraftGate(request_smoothing=1.0)
+    for _ in range(2):  # warm-up: two drafting steps, then two plain ones while the machine was busy
+        assert drafts_all(gate, ["e"]) is True
+        gate.record(["e"], True, [3.0], 0.0042)
+    for _ in range(2):
+        assert drafts_all(gate, ["e"]) is False
+        gate.record(["e"], False, [1], 0.0033)
+    drafted, first_plain = drafting_steps(gate, 600)
+    assert 16 <= first_plain <= drafted  # drafting, until the first refresh of the plain time
+    assert drafted <= first_plain + 40, (drafted, first_plain)  # then plain: 1 token per 0.8 ms wins
+    assert gate.rates()[DraftGate.bucket_of(1)][1] == pytest.approx(1 / 0.0008, rel=0.01)

@@ -18,6 +18,9 @@ from typing import Any
 from dspark_server.bench.common import pyplot, save_figure, write_json
 
 COLUMNS = (("raw", "raw"), ("sts", "STS"), ("calibrated", "file"), ("online", "file + online"))
+# the sampling floor: a perfectly calibrated survival's ECE on the same number of rounds (reports
+# written before it was measured lack it)
+FLOOR = (("floor", "floor"), ("floor_p95", "floor, 95th pct"))
 
 
 def _pct(values: list[float]) -> str:
@@ -32,13 +35,18 @@ def markdown(report: dict[str, Any], command: str) -> str:
         "",
         "Per-position ECE in % (positions 1-γ, separated by /); `file + online`: the file corrected "
         "by `dspark serve`'s online recalibration, replayed over the rounds in their recorded order "
-        "(each round planned on the maps fit before it).",
+        "(each round planned on the maps fit before it). `floor`: the ECE a perfectly calibrated "
+        "survival measures on as many rounds (outcomes drawn from `file + online` itself, 100 draws: "
+        "the mean and the 95th percentile); an ECE above the 95th percentile is miscalibration "
+        "these rounds can tell apart from chance.",
         "",
-        "| calibration | temperature | rounds | prompts | " + " | ".join(c for _, c in COLUMNS) + " |",
-        "| --- | --- | --- | --- | " + " | ".join("---" for _ in COLUMNS) + " |",
+        "| calibration | temperature | rounds | prompts | "
+        + " | ".join(c for _, c in COLUMNS + FLOOR)
+        + " |",
+        "| --- | --- | --- | --- | " + " | ".join("---" for _ in COLUMNS + FLOOR) + " |",
     ]
     for e in report["evaluations"]:
-        cells = [_pct(e[key]) for key, _ in COLUMNS]
+        cells = [_pct(e[key]) for key, _ in COLUMNS] + [_pct(e[key]) if key in e else "-" for key, _ in FLOOR]
         out.append(
             f"| {e['calibration']} | {e['sampling_temperature']:g} | {e['rounds']} | {e['prompts']} | "
             + " | ".join(cells)
@@ -56,6 +64,10 @@ def plot(report: dict[str, Any], path: Path) -> None:
         ks = range(1, len(e["calibrated"]) + 1)
         for key, label in COLUMNS[2:]:
             ax.plot(ks, [100 * v for v in e[key]], marker="o", label=label)
+        if "floor_p95" in e:
+            ax.plot(
+                ks, [100 * v for v in e["floor_p95"]], linestyle="--", color="grey", label="floor, 95th pct"
+            )
         ax.axhline(2.0, color="k", linestyle=":", linewidth=1)
         pair = Path(e["calibration"]).parent.parent.name
         ax.set_title(f"{pair} t={e['sampling_temperature']:g}", fontsize=9)

@@ -50,6 +50,7 @@ from dspark_server.planner import (
     prefix_targets,
     save_calibration_set,
     survival_ece,
+    survival_ece_floor,
 )
 
 log = logging.getLogger(__name__)
@@ -167,6 +168,10 @@ class HeldOutEce:
     sts: tuple[float, ...]  # stage 1 of that regime
     calibrated: tuple[float, ...]  # the whole calibration, as the planner applies it
     online: tuple[float, ...]  # the calibration corrected online, replayed in the rounds' order
+    # what a perfectly calibrated survival measures on this many rounds (planner/ece_floor.py),
+    # for the online-corrected survival's spread of values: the mean and 95th percentile
+    floor: tuple[float, ...]
+    floor_p95: tuple[float, ...]
     realised: tuple[float, ...]  # P(accepted >= k) on the rounds
     predicted: tuple[float, ...]  # mean calibrated survival at k
 
@@ -179,6 +184,8 @@ def held_out_ece(cal: CalibrationSet, rounds: Rounds, sampling_temperature: floa
     regime = cal.nearest(sampling_temperature)
     temps = torch.full((logits.shape[0],), float(sampling_temperature))
     calibrated = cal.survival(logits, temps).double()
+    online = torch.from_numpy(online_replay(calibrated.numpy(), rounds, temps))
+    floor = survival_ece_floor(online)
     realised = prefix_targets(accepted, cal.gamma).mean(dim=0)
     return HeldOutEce(
         sampling_temperature=float(sampling_temperature),
@@ -188,7 +195,9 @@ def held_out_ece(cal: CalibrationSet, rounds: Rounds, sampling_temperature: floa
         raw=survival_ece(torch.cumprod(torch.sigmoid(logits), dim=-1), accepted),
         sts=survival_ece(regime.sts().survival(logits), accepted),
         calibrated=survival_ece(calibrated, accepted),
-        online=survival_ece(torch.from_numpy(online_replay(calibrated.numpy(), rounds, temps)), accepted),
+        online=survival_ece(online, accepted),
+        floor=floor.mean,
+        floor_p95=floor.p95,
         realised=tuple(realised.tolist()),
         predicted=tuple(calibrated.mean(dim=0).tolist()),
     )
@@ -258,6 +267,8 @@ def run_evaluation(cfg: CalibrateConfig) -> HeldOutEce:
         f"  STS         {_pct(result.sts)}\n"
         f"  calibrated  {_pct(result.calibrated)}\n"
         f"  + online    {_pct(result.online)}\n"
+        f"  calibrated survival on these rounds (sampling floor): {_pct(result.floor)}, "
+        f"95th percentile {_pct(result.floor_p95)}\n"
         f"report {out}; plot {png}",
         file=sys.stderr,
     )

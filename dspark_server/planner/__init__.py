@@ -16,6 +16,7 @@ from .calibration import (
     save_calibration_set,
     survival_ece,
 )
+from .ece_floor import EceFloor, survival_ece_floor
 from .live import CalibrationDriftTracker, LiveSpsPoint, LiveSpsTable, PositionDrift
 from .online_calibration import OnlineCalibration, OnlineCalibrationConfig
 from .planner import (
@@ -73,6 +74,8 @@ __all__ = [
     "plot_calibration_set",
     "save_calibration_set",
     "survival_ece",
+    "survival_ece_floor",
+    "EceFloor",
     "cap_lengths",
     "PLANNER_MODES",
     "CalibrationDriftTracker",

@@ -101,6 +101,7 @@ class LoadBucket:
     since_explore: int = 0
     since_partial: int = 0
     since_plain: int = 0  # steps since a plain step's time was measured
+    plain_at: int = 0  # the gate's step count when a plain step's time was last recorded
 
     def outside(self, drafted: bool) -> float:
         """Seconds the loop spends outside a step of this kind (the other kind's until measured)."""
