@@ -32,17 +32,24 @@ def lib() -> object:
     return lib
 
 
-@pytest.mark.parametrize("m", [1, 3, 8, 9, 16, 20, 31, 77, 300])
+def _skip_without_amx(lib: object, variant: int) -> None:
+    if variant == 2 and not lib.dspark_has_amx():  # type: ignore[attr-defined]
+        pytest.skip("no AMX-BF16 tile unit here")
+
+
+@pytest.mark.parametrize("m", [1, 3, 8, 9, 16, 17, 20, 31, 77, 300])
 @pytest.mark.parametrize("accumulate", [0, 1])
-@pytest.mark.parametrize("variant", [0, 1], ids=["dot", "fma"])
-@pytest.mark.parametrize("n", [160, 512])
+@pytest.mark.parametrize("variant", [0, 1, 2], ids=["dot", "fma", "amx"])
+@pytest.mark.parametrize("n, k", [(160, 96), (512, 96), (512, 100)])
 def test_bf16_kernel_is_the_bf16_rounded_product(
-    lib: object, m: int, accumulate: int, variant: int, n: int
+    lib: object, m: int, accumulate: int, variant: int, n: int, k: int
 ) -> None:
+    _skip_without_amx(lib, variant)
     g = torch.Generator().manual_seed(m)
-    # K even; N five blocks of 32, or 16 (threads then take groups of 4 blocks, and a tail of 1-3
-    # rows runs over several blocks at once); m: one row, tails of 8-row groups, prefill-sized batches
-    k = 96
+    # K even (100: its last 32-value chunk is partial, the tile unit's tail); N five blocks of 32,
+    # or 16 (threads then take groups of 4 blocks, and a tail of 1-3 rows runs over several blocks
+    # at once; the tile unit takes two at a time); m: one row, tails of 8-row groups and of 16-row
+    # tiles, prefill-sized batches
     wt = torch.randn(k, n, generator=g)
     x = torch.randn(m, k, generator=g)
     out = torch.randn(m, n, generator=g)
@@ -66,11 +73,12 @@ def test_bf16_kernel_is_the_bf16_rounded_product(
         assert torch.equal(single[0], batched[i])
     # a shape or a loop the kernel does not take is refused, not computed wrong
     assert linear(x, out, n=n - 16) == 1
-    assert linear(x, out, variant=2) == 1
+    assert linear(x, out, variant=3) == 1
 
 
-@pytest.mark.parametrize("name, code", [("dot", 0), ("fma", 1)])
+@pytest.mark.parametrize("name, code", [("dot", 0), ("fma", 1), ("amx", 2)])
 def test_the_served_bf16_loop_can_be_chosen(lib: object, name: str, code: int) -> None:
+    _skip_without_amx(lib, code)
     # DSPARK_BF16_GEMM picks the inner loop for the whole process (else it is timed once at start)
     probe = "from dspark_server.models import kernel_library as k; lib = k.load_library()\n"
     probe += "print(lib.dspark_bf16_gemm_variant())"

@@ -1,6 +1,6 @@
 """Weight-only bf16 GEMM throughput by row count: the packed AVX512-BF16 kernel the fused forwards
-run (kernels/linear_bf16.cpp) against MKL's ``gemm_bf16bf16f32`` and float32 sgemm, the two BLAS
-routines in PyTorch's own MKL.
+run (kernels/linear_bf16.cpp; its dot, fma and, on CPUs with AMX-BF16, amx loops) against MKL's
+``gemm_bf16bf16f32`` and float32 sgemm, the two BLAS routines in PyTorch's own MKL.
 
     python -m tools.bf16_gemm_ab --rows 1 8 32 64 160 512 --k 2048 --n 9216 --threads 2
 
@@ -73,9 +73,14 @@ def main(argv: list[str] | None = None) -> None:
     wt = torch.randn(args.k, args.n, generator=g) * 0.02
     packed, plain = bf16_weights.packed(wt), wt.to(torch.bfloat16)
     print(f"K {args.k}, N {args.n}, {args.threads} threads: GFLOP/s (median of {args.repeats})")
-    chosen = ("dot", "fma")[lib.dspark_bf16_gemm_variant()]
+    chosen = ("dot", "fma", "amx")[lib.dspark_bf16_gemm_variant()]
+    amx = bool(lib.dspark_has_amx())
     print(f"this process serves the packed kernel's {chosen} loop")
-    print("rows | packed, dot (VDPBF16PS) | packed, fma (float32 FMAs) | MKL gemm_bf16bf16f32 | sgemm")
+    columns = ("dot", "fma", "amx", "mkl", "sgemm")
+    print(
+        "rows | packed, dot (VDPBF16PS) | packed, fma (float32 FMAs) | packed, amx (tiles)"
+        " | MKL gemm_bf16bf16f32 | sgemm"
+    )
     for m in args.rows:
         x = torch.randn(m, args.k, generator=g)
         out = torch.empty(m, args.n)
@@ -90,12 +95,14 @@ def main(argv: list[str] | None = None) -> None:
             "dot": functools.partial(packed_call, variant=0),
             "fma": functools.partial(packed_call, variant=1),
         }
+        if amx:
+            calls["amx"] = functools.partial(packed_call, variant=2)
         if mkl_bf16 is not None:
             calls["mkl"] = _blas(_Fortran(mkl_bf16), plain, x.to(torch.bfloat16), out)
         if sgemm is not None:
             calls["sgemm"] = _blas(_Fortran(sgemm), wt, x, out)
         rate = {name: flop / median_seconds(call, args.repeats) / 1e9 for name, call in calls.items()}
-        cells = [f"{rate[name]:.1f}" if name in rate else "-" for name in ("dot", "fma", "mkl", "sgemm")]
+        cells = [f"{rate[name]:.1f}" if name in rate else "-" for name in columns]
         print(f"{m} | " + " | ".join(cells))
 
 

@@ -2,8 +2,10 @@
 
 A weight ``wt`` [K, N] (the serving layout's contiguous transpose) is kept once in bf16, packed
 for the kernel: blocks of 32 columns, each block contiguous, in pairs along K
-(``[N / 32, K / 2, 32, 2]``), the pairs AVX512-BF16's dot product multiplies. The kernel serves
-every batch size (MKL's own bf16 GEMM is several times slower on AMD CPUs: kernels/gemm.h).
+(``[N / 32, K / 2, 32, 2]``), the pairs AVX512-BF16's dot product multiplies and, each half
+of a block at a 128-byte stride, the B tiles of AMX's TDPBF16PS (kernels/linear_bf16_amx.cpp).
+The kernel serves every batch size (MKL's own bf16 GEMM is several times slower on AMD CPUs:
+kernels/gemm.h).
 
 Rounding is PyTorch's float32 -> bfloat16 conversion (round to nearest even), the same as the
 kernels apply to the activations.

@@ -173,10 +173,11 @@ SIGNATURES = {  # every function returns an int status (0: done)
     "dspark_markov_sample_f32": [_P, *[_I] * 4, *[_P] * 11, _C],
     # x; m, k; packed bf16 weight; n; out; accumulate; threads
     "dspark_linear_bf16": [_P, _I, _I, _P, _I, _P, _C, _C],
-    # the same; variant: 0 dot (VDPBF16PS), 1 fma (float32 FMAs)
+    # the same; variant: 0 dot (VDPBF16PS), 1 fma (float32 FMAs), 2 amx (the tile unit)
     "dspark_linear_bf16_variant": [_P, _I, _I, _P, _I, _P, _C, _C, _C],
     "dspark_bf16_gemm_variant": [],
     "dspark_has_bf16": [],
+    "dspark_has_amx": [],
     # x; m, k; packed float32 weight (f32_weights.py); n; out; accumulate; threads
     "dspark_linear_f32": [_P, _I, _I, _P, _I, _P, _C, _C],
     "dspark_has_linear_f32": [],

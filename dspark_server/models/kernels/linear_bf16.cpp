@@ -10,14 +10,16 @@
 // thread takes blocks, and every block is read once per 8 rows of x, with 16 accumulators in
 // registers. x is rounded to bf16 (round to nearest even) once per call.
 //
-// Two inner loops compute the same products from the same layout, and the faster on this CPU
-// serves (timed once per process on an L2-resident shape, or DSPARK_BF16_GEMM=dot|fma):
+// Three inner loops compute the same products from the same layout, and the fastest on this CPU
+// serves (timed once per process on an L2-resident shape, or DSPARK_BF16_GEMM=dot|fma|amx):
 // - dot: AVX512-BF16's VDPBF16PS, two K steps of 16 columns per instruction. On AMD Zen 4 it
 //   retires about as often as a float32 FMA, so it does twice the work per cycle.
 // - fma: each bf16 pair widened to two float32 vectors (a shift and a mask) and float32 FMAs. On
 //   Intel Sapphire / Emerald Rapids VDPBF16PS issues every other cycle while two FMAs issue per
 //   cycle (Xeon model 207, one core: 86 against 176 GFLOP/s in registers), so past a few rows,
 //   where the GEMM stops waiting on memory, this loop is up to 1.8x faster.
+// - amx: the tile unit of Intel CPUs with AMX-BF16 (linear_bf16_amx.cpp), which reads the same
+//   packed blocks as its B tiles.
 // Either way a row's sum runs over K in the same order whatever M is, so a row's result does not
 // depend on the rows computed beside it (verification and plain decoding agree bit for bit).
 #include <immintrin.h>
@@ -25,6 +27,12 @@
 #include <stdlib.h>
 #include <string.h>
 #include <time.h>
+
+extern "C" {
+int dspark_has_amx();
+int dspark_linear_bf16_amx(const uint16_t* xb, int64_t m, int64_t k, const uint16_t* wp, int64_t n, float* out,
+                           int accumulate, int nthreads);
+}
 
 namespace {
 
@@ -134,7 +142,7 @@ constexpr Block kDot[9][3] = DSPARK_BLOCK_TABLE(blocks_dot);
 constexpr Block kFma[9][3] = DSPARK_BLOCK_TABLE(blocks_fma);
 #undef DSPARK_BLOCK_TABLE
 
-enum Variant { kVariantDot = 0, kVariantFma = 1 };
+enum Variant { kVariantDot = 0, kVariantFma = 1, kVariantAmx = 2, kVariants = 3 };
 
 inline uint32_t rounded_bits(float v) {
   uint32_t u;
@@ -142,10 +150,24 @@ inline uint32_t rounded_bits(float v) {
   return u + 0x7FFFu + ((u >> 16) & 1u);  // round to nearest even at bit 16 (finite inputs)
 }
 
+// The tile unit's loop reads x as bf16 rows, padded with zero rows to whole 16-row tiles.
+int run_amx(const float* x, int64_t m, int64_t k, const uint16_t* wp, int64_t n, float* out, int accumulate,
+            int nthreads) {
+  if (!dspark_has_amx()) return 1;
+  const int64_t padded = m <= 16 ? m : (m + 15) / 16 * 16;
+  uint16_t* xb = static_cast<uint16_t*>(calloc(padded * k, sizeof(uint16_t)));
+  if (!xb) return 1;
+  for (int64_t i = 0; i < m * k; ++i) xb[i] = static_cast<uint16_t>(rounded_bits(x[i]) >> 16);
+  const int status = dspark_linear_bf16_amx(xb, m, k, wp, n, out, accumulate, nthreads);
+  free(xb);
+  return status;
+}
+
 int run(int variant, const float* x, int64_t m, int64_t k, const uint16_t* wp, int64_t n, float* out, int accumulate,
         int nthreads) {
   if (m <= 0 || k <= 0 || k % 2 || n <= 0 || n % 32 || !__builtin_cpu_supports("avx512bf16")) return 1;
   const int64_t kp_count = k / 2;
+  if (variant == kVariantAmx) return run_amx(x, m, k, wp, n, out, accumulate, nthreads);
   const bool fma = variant == kVariantFma;
   // dot reads the rows as bf16 pairs, fma as bf16-rounded float32
   void* xb = malloc((fma ? sizeof(float) : sizeof(uint16_t)) * m * k);
@@ -206,9 +228,10 @@ int timed_choice() {
   }
   for (int64_t i = 0; i < m * k; ++i) x[i] = static_cast<float>(i % 7) * 0.25f;
   for (int64_t i = 0; i < k * n; ++i) w[i] = static_cast<uint16_t>(0x3C00 + i % 97);
-  double best[2] = {1e30, 1e30};
+  double best[kVariants] = {1e30, 1e30, 1e30};
+  const int variants = dspark_has_amx() ? 3 : 2;
   for (int round = 0; round < 5; ++round)
-    for (int v = 0; v < 2; ++v) {
+    for (int v = 0; v < variants; ++v) {
       const double t0 = seconds();
       for (int i = 0; i < 10; ++i) run(v, x, m, k, w, n, x + m * k, 0, 1);
       const double dt = seconds() - t0;
@@ -216,7 +239,10 @@ int timed_choice() {
     }
   free(x);
   free(w);
-  return best[kVariantFma] < best[kVariantDot] ? kVariantFma : kVariantDot;
+  int chosen = kVariantDot;
+  for (int v = 1; v < variants; ++v)
+    if (best[v] < best[chosen]) chosen = v;
+  return chosen;
 }
 
 int chosen_variant() {
@@ -224,6 +250,7 @@ int chosen_variant() {
     const char* env = getenv("DSPARK_BF16_GEMM");
     if (env && strcmp(env, "dot") == 0) return static_cast<int>(kVariantDot);
     if (env && strcmp(env, "fma") == 0) return static_cast<int>(kVariantFma);
+    if (env && strcmp(env, "amx") == 0 && dspark_has_amx()) return static_cast<int>(kVariantAmx);
     return __builtin_cpu_supports("avx512bf16") ? timed_choice() : static_cast<int>(kVariantDot);
   }();
   return variant;
@@ -236,13 +263,15 @@ extern "C" {
 // Whether this CPU runs the kernel (AVX512-BF16).
 int dspark_has_bf16() { return __builtin_cpu_supports("avx512bf16") ? 1 : 0; }
 
-// The inner loop dspark_linear_bf16 runs in this process: 0 dot (VDPBF16PS), 1 fma (float32 FMAs).
+// The inner loop dspark_linear_bf16 runs in this process: 0 dot (VDPBF16PS), 1 fma (float32 FMAs),
+// 2 amx (the tile unit).
 int dspark_bf16_gemm_variant() { return chosen_variant(); }
 
-// Returns 0, or 1 for a bad argument (K odd, N not a multiple of 32, no AVX512-BF16, unknown variant).
+// Returns 0, or 1 for a bad argument (K odd, N not a multiple of 32, no AVX512-BF16, unknown variant,
+// amx without the tile unit).
 int dspark_linear_bf16_variant(const float* x, int64_t m, int64_t k, const uint16_t* wp, int64_t n, float* out,
                                int accumulate, int nthreads, int variant) {
-  if (variant != kVariantDot && variant != kVariantFma) return 1;
+  if (variant < 0 || variant >= kVariants) return 1;
   return run(variant, x, m, k, wp, n, out, accumulate, nthreads);
 }
 
