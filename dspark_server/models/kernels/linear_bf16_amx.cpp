@@ -68,24 +68,40 @@ __attribute__((target("amx-tile,amx-bf16"))) void configure(int rows, int tail_p
   _tile_loadconfig(&c);
 }
 
-// The configured rows of xb (bf16 rows of K, from `x`) times one 32-column block (its stream of
-// kp_count * 64 bf16 at w), stored as float32 at c (row stride ldc floats).
-__attribute__((target("amx-tile,amx-bf16"))) void block(const uint16_t* x, int64_t k, const uint16_t* w,
-                                                         int64_t kp_count, float* c, int64_t ldc) {
+// The configured rows of x (bf16 rows of K, from `x`) times one 32-column block (its stream of
+// kp_count * 64 bf16 at w), or two consecutive blocks (`kPair`: tiles 6 and 7 the second block's C,
+// four independent accumulations instead of two, where K / 2 is a multiple of 16), stored as
+// float32 at c (row stride ldc floats). Each column's sum runs over K in the same order either way.
+template <bool kPair>
+__attribute__((target("amx-tile,amx-bf16"))) void blocks(const uint16_t* x, int64_t k, const uint16_t* w,
+                                                          int64_t kp_count, float* c, int64_t ldc) {
+  const uint16_t* w1 = w + kp_count * 64;
   const int64_t full = kp_count / 16 * 16;
   _tile_zero(4);
   _tile_zero(5);
+  if (kPair) {
+    _tile_zero(6);
+    _tile_zero(7);
+  }
   for (int64_t kp = 0; kp < full; kp += 16) {
-    // the block is one stream of kp_count * 128 bytes: fetched kPrefetch K pairs ahead
-    const char* ahead = reinterpret_cast<const char*>(w + (kp + kPrefetch) * 64);
-    for (int line = 0; line < 32; ++line) _mm_prefetch(ahead + 64 * line, _MM_HINT_T0);
+    // a block is one stream of kp_count * 128 bytes: fetched kPrefetch K pairs ahead
+    for (int line = 0; line < 32; ++line) {
+      _mm_prefetch(reinterpret_cast<const char*>(w + (kp + kPrefetch) * 64) + 64 * line, _MM_HINT_T0);
+      if (kPair) _mm_prefetch(reinterpret_cast<const char*>(w1 + (kp + kPrefetch) * 64) + 64 * line, _MM_HINT_T0);
+    }
     _tile_loadd(0, x + 2 * kp, 2 * k);
     _tile_loadd(2, w + kp * 64, 128);
     _tile_loadd(3, w + kp * 64 + 32, 128);
     _tile_dpbf16ps(4, 0, 2);
     _tile_dpbf16ps(5, 0, 3);
+    if (kPair) {
+      _tile_loadd(2, w1 + kp * 64, 128);
+      _tile_loadd(3, w1 + kp * 64 + 32, 128);
+      _tile_dpbf16ps(6, 0, 2);
+      _tile_dpbf16ps(7, 0, 3);
+    }
   }
-  if (full < kp_count) {
+  if (!kPair && full < kp_count) {
     _tile_loadd(1, x + 2 * full, 2 * k);
     _tile_loadd(6, w + full * 64, 128);
     _tile_loadd(7, w + full * 64 + 32, 128);
@@ -94,38 +110,10 @@ __attribute__((target("amx-tile,amx-bf16"))) void block(const uint16_t* x, int64
   }
   _tile_stored(4, c, 4 * ldc);
   _tile_stored(5, c + 16, 4 * ldc);
-}
-
-// Two consecutive blocks at once where K / 2 is a multiple of 16 (tiles 6 and 7 their second
-// block's C): four independent accumulations instead of two, the same order over K for each.
-__attribute__((target("amx-tile,amx-bf16"))) void block_pair(const uint16_t* x, int64_t k, const uint16_t* w,
-                                                              int64_t kp_count, float* c, int64_t ldc) {
-  const uint16_t* w1 = w + kp_count * 64;
-  _tile_zero(4);
-  _tile_zero(5);
-  _tile_zero(6);
-  _tile_zero(7);
-  for (int64_t kp = 0; kp < kp_count; kp += 16) {
-    const char* ahead = reinterpret_cast<const char*>(w + (kp + kPrefetch) * 64);
-    const char* ahead1 = reinterpret_cast<const char*>(w1 + (kp + kPrefetch) * 64);
-    for (int line = 0; line < 32; ++line) {
-      _mm_prefetch(ahead + 64 * line, _MM_HINT_T0);
-      _mm_prefetch(ahead1 + 64 * line, _MM_HINT_T0);
-    }
-    _tile_loadd(0, x + 2 * kp, 2 * k);
-    _tile_loadd(2, w + kp * 64, 128);
-    _tile_loadd(3, w + kp * 64 + 32, 128);
-    _tile_dpbf16ps(4, 0, 2);
-    _tile_dpbf16ps(5, 0, 3);
-    _tile_loadd(2, w1 + kp * 64, 128);
-    _tile_loadd(3, w1 + kp * 64 + 32, 128);
-    _tile_dpbf16ps(6, 0, 2);
-    _tile_dpbf16ps(7, 0, 3);
+  if (kPair) {
+    _tile_stored(6, c + 32, 4 * ldc);
+    _tile_stored(7, c + 48, 4 * ldc);
   }
-  _tile_stored(4, c, 4 * ldc);
-  _tile_stored(5, c + 16, 4 * ldc);
-  _tile_stored(6, c + 32, 4 * ldc);
-  _tile_stored(7, c + 48, 4 * ldc);
 }
 
 __attribute__((target("amx-tile"))) void release() { _tile_release(); }
@@ -162,9 +150,9 @@ int dspark_linear_bf16_amx(const uint16_t* xb, int64_t m, int64_t k, const uint1
         float* c = direct ? o : tmp;
         const int64_t ldc = direct ? n : cols;
         if (group == 2)
-          block_pair(xb + r0 * k, k, w, kp_count, c, ldc);
+          blocks<true>(xb + r0 * k, k, w, kp_count, c, ldc);
         else
-          block(xb + r0 * k, k, w, kp_count, c, ldc);
+          blocks<false>(xb + r0 * k, k, w, kp_count, c, ldc);
         if (direct) continue;
         for (int64_t r = 0; r < valid; ++r)
           for (int64_t j = 0; j < cols; ++j) o[r * n + j] = (accumulate ? o[r * n + j] : 0.f) + tmp[r * cols + j];
