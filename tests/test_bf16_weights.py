@@ -222,4 +222,3 @@ def test_markov_w2_layouts_are_kept_side_by_side_and_rebuilt_when_w2_changes() -
     new_packed = head._w2_transposed("bf16")
     assert new_packed is not packed
     assert torch.equal(new_packed, bf16_weights.packed(head.markov_w2.weight.detach().t().contiguous()))
-
