@@ -150,27 +150,18 @@ inline uint32_t rounded_bits(float v) {
   return u + 0x7FFFu + ((u >> 16) & 1u);  // round to nearest even at bit 16 (finite inputs)
 }
 
-// The tile unit's loop reads x as bf16 rows, padded with zero rows to whole 16-row tiles.
-int run_amx(const float* x, int64_t m, int64_t k, const uint16_t* wp, int64_t n, float* out, int accumulate,
-            int nthreads) {
-  if (!dspark_has_amx()) return 1;
-  const int64_t padded = m <= 16 ? m : (m + 15) / 16 * 16;
-  uint16_t* xb = static_cast<uint16_t*>(calloc(padded * k, sizeof(uint16_t)));
-  if (!xb) return 1;
-  for (int64_t i = 0; i < m * k; ++i) xb[i] = static_cast<uint16_t>(rounded_bits(x[i]) >> 16);
-  const int status = dspark_linear_bf16_amx(xb, m, k, wp, n, out, accumulate, nthreads);
-  free(xb);
-  return status;
-}
-
 int run(int variant, const float* x, int64_t m, int64_t k, const uint16_t* wp, int64_t n, float* out, int accumulate,
         int nthreads) {
   if (m <= 0 || k <= 0 || k % 2 || n <= 0 || n % 32 || !__builtin_cpu_supports("avx512bf16")) return 1;
+  const bool amx = variant == kVariantAmx;
+  if (amx && !dspark_has_amx()) return 1;
   const int64_t kp_count = k / 2;
-  if (variant == kVariantAmx) return run_amx(x, m, k, wp, n, out, accumulate, nthreads);
   const bool fma = variant == kVariantFma;
-  // dot reads the rows as bf16 pairs, fma as bf16-rounded float32
-  void* xb = malloc((fma ? sizeof(float) : sizeof(uint16_t)) * m * k);
+  // dot and amx read the rows as bf16 pairs, fma as bf16-rounded float32; amx reads whole 16-row
+  // tiles past 16 rows, so its last one is padded with zero rows
+  const int64_t rows = amx && m > 16 ? (m + 15) / 16 * 16 : m;
+  const size_t elem = fma ? sizeof(float) : sizeof(uint16_t);
+  void* xb = malloc(elem * rows * k);
   if (!xb) return 1;
   for (int64_t i = 0; i < m * k; ++i) {
     const uint32_t bits = rounded_bits(x[i]);
@@ -178,6 +169,12 @@ int run(int variant, const float* x, int64_t m, int64_t k, const uint16_t* wp, i
       static_cast<uint32_t*>(xb)[i] = bits & 0xFFFF0000u;
     else
       static_cast<uint16_t*>(xb)[i] = static_cast<uint16_t>(bits >> 16);
+  }
+  if (amx) {
+    memset(static_cast<uint16_t*>(xb) + m * k, 0, elem * (rows - m) * k);
+    const int status = dspark_linear_bf16_amx(static_cast<uint16_t*>(xb), m, k, wp, n, out, accumulate, nthreads);
+    free(xb);
+    return status;
   }
   const Block(*blocks)[3] = fma ? kFma : kDot;
   const int64_t row_stride = k * static_cast<int64_t>(fma ? sizeof(float) : sizeof(uint16_t));

@@ -25,7 +25,7 @@ namespace {
 
 constexpr long kReqXcompPerm = 0x1023;  // arch_prctl: request a dynamically enabled state
 constexpr long kXtileData = 18;         // the tile data state component
-constexpr int64_t kPrefetch = 256;       // K pairs ahead (8 KB of a block's stream)
+constexpr int64_t kPrefetch = 64;       // K pairs ahead (8 KB of a block's stream)
 
 // Tile registers (the intrinsics take them as literals): 0 A (x rows x 32 K), 2 and 3 B (the
 // block's halves), 4 and 5 C (the block's halves), and for the last K chunk where K / 2 is not a
