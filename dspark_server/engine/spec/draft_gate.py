@@ -368,7 +368,10 @@ class DraftGate(GateMemory):
         2.5x slower than plain steps, explorations came once in ~1500 steps, and dspark mode ran
         at 0.7x fixed mode's throughput.
 
-        Else (a prior of fewer than ``prior_samples`` drafting steps): where that prior, read
+        Else, for a caller that does not give the regimes and the tokens left (the engine always
+        does, and a newcomer is explored whole only alone in its step, so since session 35 the
+        engine never reaches this rule), with a prior of fewer than ``prior_samples`` drafting
+        steps: where that prior, read
         generously, puts drafting near plain steps' rate: a prior of m steps may understate the
         traffic's tokens by a factor of up to 1 + ``newcomer_upside`` / m. Served cold on the
         demo pair (one request, HumanEval, temperature 0), a drafting step took 6-7 plain steps'
