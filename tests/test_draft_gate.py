@@ -883,3 +883,33 @@ def test_the_first_requests_of_a_regime_are_explored_whatever_their_prior() -> N
     assert explored == [3, 3, 3, 0, 0, 0]
     # without what is left to emit (callers that do not say), the prior read generously decides
     assert not any(gate.choose(["late"], [0.0]) for _ in range(8))
+
+
+def test_a_load_expects_drafting_only_where_its_latest_full_choice_found_drafting_faster() -> None:
+    """What a request joining a load expects (whether it should reuse cached pages without the
+    drafter's K/V): drafting where the gate's latest full choice there found drafting faster,
+    not while it only explores drafting at a load where plain steps win; drafting at a load
+    never chosen at."""
+    gate = DraftGate(
+        explore_every=4,
+        max_explore_interval=4,
+        max_explore_overhead=0.5,
+        forced_explore_overhead=0.5,
+        min_samples=1,
+        prior_samples=0,
+        explore_run=1,
+        max_hold=0,
+    )
+    assert gate.expects_drafting(8) and gate.expects_drafting(100)  # nothing chosen yet
+    _warm(gate, IDS8, (10, 1.0), 1.0)  # drafting: 80 tokens/s, plain: 8 tokens/s
+    assert drafts_all(gate, IDS8) is True and gate.expects_drafting(8)
+    for _ in range(40):  # the requests turn hard: 1 token per 8 s drafting
+        gate.record(IDS8, True, [1] * 8, 8.0)
+    for _ in range(4):  # drafting stays while near plain steps' rate, a plain step refreshes it
+        gate.choose(IDS8)
+    picks = []
+    for _ in range(12):
+        picks.append(bool(gate.choose(IDS8)))  # (a few requests, or all of them, explore)
+        assert gate.expects_drafting(8) is False and gate.expects_drafting(15) is False  # (one bucket)
+    assert 2 <= picks.count(True) <= 4  # it did explore drafting
+    assert gate.expects_drafting(1) and gate.expects_drafting(64)  # other loads: not chosen at

@@ -271,7 +271,7 @@ def test_where_drafting_stopped_a_prefix_without_drafter_context_is_reused_witho
     other = [int(t) for t in np.random.default_rng(5).integers(0, 24, 30)]
     engine = make_engine(target, draft, "fixed", page_size=PS)
     assert engine.spec is not None
-    monkeypatch.setattr(engine.spec, "prefix_needs_context", lambda: False)
+    monkeypatch.setattr(engine.spec, "prefix_needs_context", lambda load: False)
     serve(engine, [[prompt]], max_tokens=1)  # never drafts: its pages lack the drafter's K/V
     warm = serve(engine, [[prompt, other]])
     cold = serve(make_engine(target, draft, "fixed", page_size=PS, prefix_cache=False), [[prompt, other]])
@@ -280,6 +280,36 @@ def test_where_drafting_stopped_a_prefix_without_drafter_context_is_reused_witho
     assert cold.final("0-0").spec.rounds > 0
     assert warm.final("0-1").spec == cold.final("0-1").spec  # its own prompt: drafts as before
     assert warm.tokens("0-0") == cold.tokens("0-0") and warm.tokens("0-1") == cold.tokens("0-1")
+
+
+def test_a_prefix_without_drafter_context_is_reused_where_the_load_it_joins_does_not_draft(
+    pair: tuple[Path, Path], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Whether a new request reuses cached pages that lack the drafter's K/V follows the load it
+    joins (every request running or waiting), not the gate's latest choice: with the gate
+    expecting drafting at one request only, a prompt sent alone prefills again (it may draft),
+    and the same prompt in a wave of three reuses the pages and decodes without drafting."""
+    target, draft = pair
+    prompt = [int(t) for t in np.random.default_rng(4).integers(0, 24, 30)]
+    others = [[int(t) for t in np.random.default_rng(s).integers(0, 24, 30)] for s in (5, 6)]
+    engine = make_engine(target, draft, "dspark", page_size=PS, draft_gate=True)
+    assert engine.spec is not None and engine.spec.gate is not None
+    loads: list[int] = []
+
+    def expects_drafting(load: int) -> bool:
+        loads.append(load)
+        return load < 2
+
+    monkeypatch.setattr(engine.spec.gate, "expects_drafting", expects_drafting)
+    monkeypatch.setattr(engine.spec, "drafting", lambda decodes, room=None: [])  # plain steps
+    serve(engine, [[prompt]], max_tokens=1)  # plain steps put its context writes off: never written
+    alone = serve(engine, [[prompt]], max_tokens=1)
+    assert alone.final("0-0").cached_tokens == 0  # it may draft at one request: no reuse
+    wave = serve(engine, [[prompt, *others]])
+    assert wave.final("0-0").cached_tokens == 28
+    assert 3 in loads
+    cold = serve(make_engine(target, draft, "off", page_size=PS, prefix_cache=False), [[prompt, *others]])
+    assert [wave.tokens(f"0-{i}") for i in range(3)] == [cold.tokens(f"0-{i}") for i in range(3)]
 
 
 def test_a_request_that_stops_inside_a_round_leaves_only_the_pages_its_tokens_name(tmp_path: Path) -> None:

@@ -130,7 +130,10 @@ class LLMEngine:
     def step(self) -> None:
         self.process_inbox()
         if self.spec is not None:
-            self.scheduler.prefix_needs_context = self.spec.prefix_needs_context()
+            # the load a request admitted now joins: every request running or waiting (a wave
+            # of new prompts joins each other)
+            load = min(self.cfg.max_running, self.scheduler.num_unfinished)
+            self.scheduler.prefix_needs_context = self.spec.prefix_needs_context(load)
         sched = self.scheduler.schedule()
         self.stats.record_preemptions(len(sched.preempted))
         if sched.empty:

@@ -191,6 +191,13 @@ class DraftGate(GateMemory):
                 self._stay = 0
         return chosen
 
+    def expects_drafting(self, num_requests: int) -> bool:
+        """Whether a request that joins a load of ``num_requests`` decoding requests is likely to
+        draft: the latest full choice at that load found drafting faster (explorations aside);
+        True at a load not chosen at yet."""
+        b = self._buckets.get(self.bucket_of(max(1, num_requests)))
+        return b is None or b.drafts_here
+
     def holds(self, request_ids: Sequence[str]) -> bool:
         """Whether the next ``choose`` for these requests is a held choice (one that reads no
         estimate: plain, or drafting while it clearly wins)."""
@@ -290,7 +297,8 @@ class DraftGate(GateMemory):
         # from plain steps, drafting must win by enter_margin: near break-even, the choice flips
         # on noise and each flip pays the switch
         bar = plain_rate * (self.stay_ratio if self._last_drafted else self.enter_margin)
-        if entry_rate >= bar:  # exploring a plain step also pays the switch back
+        b.drafts_here = entry_rate >= bar
+        if b.drafts_here:  # exploring a plain step also pays the switch back
             # it only refreshes the load's plain step time (a plain step emits one token for
             # any request): due when no plain step measured it for the interval
             lost = plain_s * max(0.0, 1.0 - plain_rate / draft_rate) + switch

@@ -86,7 +86,7 @@ class HeldLessons:
             if len(group) > 1:  # one deferred entry and one update per estimator for the run
                 decodes = [r for step in group for r in step.decodes]
                 positions = [p for step in group for p in step.positions]
-                features = torch.cat([step.features for step in group])
+                features = [step.features for step in group]  # joined if ever read
                 full = deferred.defer((), features, decodes, positions) or full
                 forward_s = [step.forward_seconds for step in group]
                 if live_sps is not None:
