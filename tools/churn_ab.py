@@ -51,6 +51,7 @@ def _pin_plain(gate: DraftGate) -> None:
         return gate._hold_plain(request_ids, gate._bucket(len(request_ids)), gate.max_hold)
 
     gate._choose = choose  # type: ignore[method-assign]
+    gate.expects_drafting = lambda num_requests: False  # type: ignore[method-assign]
 
 
 def build(

@@ -192,8 +192,8 @@ class SpeculativeDecoder:
         requests at that load to draft (``DraftGate.expects_drafting``); where it does not, a
         prefill saved is worth more than drafting later. Served on the demo pair (MT-Bench,
         temperature 0, 16 requests after a point at 4), the gate's latest choice, which was the
-        rule before, had drafted at 4 requests: each new point's first wave prefilled the
-        prompts the cache held again, and time to the first token was 32-45 ms against off
+        rule before, had drafted at 4 requests: each new point's first wave prefilled again
+        the prompts the cache held, and time to the first token was 32-45 ms against off
         mode's 17-20."""
         return self.gate is None or self.gate.expects_drafting(load)
 

@@ -102,9 +102,9 @@ class LoadBucket:
     since_partial: int = 0
     since_plain: int = 0  # steps since a plain step's time was measured
     plain_at: int = 0  # the gate's step count when a plain step's time was last recorded
-    # whether the latest full choice at this load found drafting the faster choice (an
-    # exploration of the slower one does not count): what a request joining this load expects
-    drafts_here: bool = True
+    # drafting's forecast rate over plain steps' at this load, at each full choice: whether a
+    # request joining this load is likely to draft (DraftGate.expects_drafting)
+    draft_ratio: MovingMean = field(default_factory=MovingMean)
 
     def outside(self, drafted: bool) -> float:
         """Seconds the loop spends outside a step of this kind (the other kind's until measured)."""
