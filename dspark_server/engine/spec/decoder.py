@@ -223,8 +223,7 @@ class SpeculativeDecoder:
         the decodes' and the prefill chunks', are put off (``deferred``), so that a plain step in
         dspark mode costs what a plain step costs, and what it teaches waits with them; both are
         filed in one go (``HeldLessons``) before anything reads them."""
-        hidden = forward.output.hidden
-        assert hidden is not None
+        hidden = forward.output.hidden  # None: the step kept no features (its requests never draft)
         lessons = self.lessons
         lessons.plain.append(
             PlainStep(

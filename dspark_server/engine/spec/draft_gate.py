@@ -31,6 +31,9 @@ from dspark_server.engine.spec.gate_estimates import LoadBucket, learning_saves
 from dspark_server.engine.spec.gate_memory import GateMemory
 
 MIN_REQUEST_MEANS = 3  # departed requests of a regime before a newcomer is priced on them
+# how fast a load's averaged forecast ratio (``expects_drafting``) follows the full choices: a few
+# choices, so that a load first priced on a neighbour's seeded times is soon priced on its own
+RATIO_SMOOTHING = 0.2
 
 
 class DraftGate(GateMemory):
@@ -201,7 +204,8 @@ class DraftGate(GateMemory):
     def expects_drafting(self, num_requests: int) -> bool:
         """Whether a request that joins a load of ``num_requests`` decoding requests may well
         draft: drafting's forecast rate there, averaged over the full choices, is at least
-        ``reuse_ratio`` of plain steps' (True at a load not chosen at yet). An average, not the
+        ``reuse_ratio`` of plain steps' (True at a load not chosen at yet). It moves by
+        ``RATIO_SMOOTHING`` a choice. An average, not the
         latest choice: served on the demo pair at four requests (HumanEval, temperature 0), the
         choices flipped while the gate learned (drafting at 0.73-1.5x plain steps' rate), and a
         request admitted at a plain one reused a prompt without the drafter's K/V and never
@@ -310,7 +314,7 @@ class DraftGate(GateMemory):
         # from plain steps, drafting must win by enter_margin: near break-even, the choice flips
         # on noise and each flip pays the switch
         bar = plain_rate * (self.stay_ratio if self._last_drafted else self.enter_margin)
-        b.draft_ratio.update(draft_rate / plain_rate, self.smoothing)
+        b.draft_ratio.update(draft_rate / plain_rate, RATIO_SMOOTHING)
         if entry_rate >= bar:  # exploring a plain step also pays the switch back
             # it only refreshes the load's plain step time (a plain step emits one token for
             # any request): due when no plain step measured it for the interval

@@ -102,8 +102,8 @@ class LoadBucket:
     since_partial: int = 0
     since_plain: int = 0  # steps since a plain step's time was measured
     plain_at: int = 0  # the gate's step count when a plain step's time was last recorded
-    # drafting's forecast rate over plain steps' at this load, at each full choice: whether a
-    # request joining this load is likely to draft (DraftGate.expects_drafting)
+    # drafting's forecast rate over plain steps' at this load, averaged over the full choices:
+    # whether a request joining this load is likely to draft (DraftGate.expects_drafting)
     draft_ratio: MovingMean = field(default_factory=MovingMean)
 
     def outside(self, drafted: bool) -> float:

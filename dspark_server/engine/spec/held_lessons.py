@@ -47,7 +47,7 @@ class PlainStep(NamedTuple):
     decodes: list[Request]
     positions: list[int]
     prefills: list[ScheduledChunk]
-    features: torch.Tensor
+    features: torch.Tensor | None  # None: nothing to put off (the step captured nothing)
     forward_seconds: float
     batch_tokens: int
     prefill_tokens: int
@@ -86,8 +86,9 @@ class HeldLessons:
             if len(group) > 1:  # one deferred entry and one update per estimator for the run
                 decodes = [r for step in group for r in step.decodes]
                 positions = [p for step in group for p in step.positions]
-                features = [step.features for step in group]  # joined if ever read
-                full = deferred.defer((), features, decodes, positions) or full
+                if first.features is not None:  # (a run keeps features in all its steps or none)
+                    features = [step.features for step in group if step.features is not None]
+                    full = deferred.defer((), features, decodes, positions) or full  # joined if read
                 forward_s = [step.forward_seconds for step in group]
                 if live_sps is not None:
                     live_sps.record_many(first.batch_tokens, forward_s)
@@ -96,7 +97,7 @@ class HeldLessons:
                 continue
             decodes, prefills = first.decodes, first.prefills
             chunks = [Run(c.request, c.start, c.num_tokens) for c in prefills] if prefills else []
-            if decodes or chunks:
+            if (decodes or chunks) and first.features is not None:
                 full = deferred.defer(chunks, first.features, decodes, first.positions) or full
             if first.step_seconds is None or not decodes:
                 continue
@@ -140,4 +141,5 @@ def _decode_only(step: PlainStep) -> bool:
 def _same_run(last: PlainStep, step: PlainStep) -> bool:
     """Whether ``step`` continues ``last``'s run: both decode-only, of the same batch size."""
     same_size = last.batch_tokens == step.batch_tokens and len(last.decodes) == len(step.decodes)
-    return same_size and _decode_only(last) and _decode_only(step)
+    same_kind = (last.features is None) == (step.features is None)
+    return same_size and same_kind and _decode_only(last) and _decode_only(step)
