@@ -327,22 +327,22 @@ def test_plain_steps_keep_no_drafter_features_at_a_load_where_drafting_is_not_ex
     assert engine.spec is not None and engine.spec.gate is not None
     monkeypatch.setattr(engine.spec.gate, "expects_drafting", lambda load: load < 2)
     monkeypatch.setattr(engine.spec, "drafting", lambda decodes, room=None: [])  # plain steps
-    kept: list[tuple[int, bool, bool]] = []  # (decoding requests, features kept, all gapped)
+    kept: list[tuple[bool, bool]] = []  # per plain step: (features kept, all its requests gapped)
     after_plain = engine.spec.after_plain
 
     def spy(alloc, decodes, positions, prefills, forward, seconds):  # type: ignore[no-untyped-def]
         requests = decodes + [c.request for c in prefills]
         gapped = all(r.context_gap for r in requests)
-        kept.append((len(requests), forward.output.hidden is not None, gapped))
+        kept.append((forward.output.hidden is not None, gapped))
         after_plain(alloc, decodes, positions, prefills, forward, seconds)
 
     monkeypatch.setattr(engine.spec, "after_plain", spy)
     alone = serve(engine, [[prompts[0]]], max_tokens=6)
-    assert kept and all(k and not gapped for _, k, gapped in kept)
+    assert kept and all(k and not gapped for k, gapped in kept)
     kept.clear()
     held = len(engine.spec.deferred)
     wave = serve(engine, [prompts])
-    assert kept and all(not k and gapped for _, k, gapped in kept)
+    assert kept and all(not k and gapped for k, gapped in kept)
     assert len(engine.spec.deferred) <= held  # nothing put off
     cold = serve(make_engine(target, None, "off", page_size=PS), [[prompts[0]]], max_tokens=6)
     assert alone.tokens("0-0") == cold.tokens("0-0")

@@ -180,13 +180,13 @@ class LLMEngine:
         ]
         seq_chunks += [SeqChunk(c.request.table, c.start, c.token_ids) for c in sched.prefills]
         tail = [1] * len(sched.decodes) + [1 if c.completes else 0 for c in sched.prefills]
-        # at a load where the gate does not expect drafting (the flag the scheduler admitted
-        # with), the step keeps no features: its requests never draft (``context_gap``)
-        keep = spec is not None and self.scheduler.prefix_needs_context
-        if spec is not None and not keep:
+        capture: tuple[int, ...] = ()
+        if spec is not None and self.scheduler.prefix_needs_context:
+            capture = spec.drafter.capture_layers
+        elif spec is not None:  # a load where the gate does not expect drafting (the flag the
+            # scheduler admitted with): the step keeps no features, its requests never draft
             for req in sched.decodes + [c.request for c in sched.prefills]:
                 req.context_gap = True
-        capture = spec.drafter.capture_layers if spec is not None and keep else ()
         result = self.runner.forward(seq_chunks, tail, capture_layers=capture)
         self.stats.record_batch(result.batch.num_tokens, result.seconds)
         completing = [c.request for c in sched.prefills if c.completes]
