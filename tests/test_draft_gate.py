@@ -919,3 +919,25 @@ def test_a_load_expects_drafting_while_its_forecast_averaged_over_choices_stays_
     assert turned > first_plain and not any(expected[turned:])  # explorations do not turn it back
     assert chosen[turned:].count(True) >= 2  # (it did explore drafting after that)
     assert gate.expects_drafting(1) and gate.expects_drafting(64)  # other loads: not chosen at
+
+
+def test_a_load_where_nobody_can_draft_expects_drafting_again_after_relearn_steps() -> None:
+    """Requests admitted where drafting is not expected never draft, so no choice moves that
+    load's forecast ratio while only they run: after ``relearn_steps`` such steps (``skip``), a
+    request joining the load keeps the drafter's context again, and a full choice there starts
+    the count over. Other loads keep their own count."""
+    gate = DraftGate(min_samples=1, prior_samples=0, explore_run=1, max_hold=0, relearn_steps=50)
+    _warm(gate, IDS8, (1, 8.0), 1.0)  # drafting: 1 token per 8 s for each; plain 8 tokens/s
+    for _ in range(10):
+        gate.choose(IDS8)
+    assert not gate.expects_drafting(8)
+    for _ in range(49):
+        gate.skip(8)
+        gate.skip(1)  # a load never chosen at: the skips do not create or count it
+    assert not gate.expects_drafting(8) and gate.expects_drafting(1)
+    gate.skip(8)
+    assert gate.expects_drafting(8) and gate.expects_drafting(15)  # (one load bucket)
+    gate.choose(IDS8)  # one of those requests could draft: the gate chose in full again
+    assert not gate.expects_drafting(8)
+    with pytest.raises(ValueError):
+        DraftGate(relearn_steps=0)

@@ -54,6 +54,11 @@ from dspark_server.planner import (
     conditionals,
 )
 
+# of the plain steps that keep no features (nobody in them can draft), one in this many is
+# filed as a lesson: the rest would only add samples of the same plain step time, and filing
+# every one cost ~1% of a plain step at one request (demo pair, temperature 1, in-process)
+QUIET_SAMPLE = 4
+
 
 @dataclass(frozen=True)
 class RequestTokens:
@@ -163,6 +168,7 @@ class SpeculativeDecoder:
         self._catch_up_due = False  # filed rows reached the backlog's bound: catch up at the next step
         self._file_at = 1  # plain steps waiting that make a batch (set at each filing)
         self._sampling = SamplingCache()
+        self._quiet_steps = 0  # plain steps that kept no features (``after_plain``)
         # Called once per step with every decoding request's round (calibration, evaluation).
         self.round_observers: list[Callable[[RoundRecord], None]] = []
 
@@ -174,6 +180,9 @@ class SpeculativeDecoder:
         gate = self.gate
         if not decodes or gate is None:
             return [r for r in decodes if not r.context_gap]
+        if all(r.context_gap for r in decodes):  # nobody can draft: the gate is not asked
+            gate.skip(len(decodes))
+            return []
         ids = tuple([r.request_id for r in decodes])
         if gate.holds(ids):  # a held choice reads no estimate: no lessons, no regimes
             chosen = gate.choose(ids)
@@ -224,6 +233,12 @@ class SpeculativeDecoder:
         dspark mode costs what a plain step costs, and what it teaches waits with them; both are
         filed in one go (``HeldLessons``) before anything reads them."""
         hidden = forward.output.hidden  # None: the step kept no features (its requests never draft)
+        if hidden is None and not prefills:
+            # nothing to put off, and no request here can draft: the lesson is one more sample of
+            # a plain step's time, and one in QUIET_SAMPLE such steps is filed
+            self._quiet_steps += 1
+            if self._quiet_steps % QUIET_SAMPLE:
+                return
         lessons = self.lessons
         lessons.plain.append(
             PlainStep(

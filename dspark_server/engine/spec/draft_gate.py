@@ -62,6 +62,7 @@ class DraftGate(GateMemory):
         ratio_prior_steps: float = 16.0,
         newcomer_upside: float = 2.5,
         reuse_ratio: float = 0.75,
+        relearn_steps: int = 256,
         forward_seconds: Callable[[int], float] | None = None,
     ) -> None:
         """``forward_seconds``: the target forward's time at B batch tokens (the SPS table's
@@ -91,6 +92,8 @@ class DraftGate(GateMemory):
             raise ValueError("newcomer_upside must be >= 0")
         if not reuse_ratio >= 0.0:
             raise ValueError("reuse_ratio must be >= 0")
+        if relearn_steps < 1:
+            raise ValueError("relearn_steps must be >= 1")
         super().__init__(
             smoothing,
             request_smoothing,
@@ -120,6 +123,10 @@ class DraftGate(GateMemory):
         # load reuses cached pages without the drafter's K/V (and so never drafts): the prefill
         # saved is worth more than the drafting it might do if the load's forecast recovered
         self.reuse_ratio = reuse_ratio
+        # after this many steps at a load where no request could draft (so no choice moved the
+        # load's forecast ratio), a request joining it keeps the drafter's context again: the
+        # ratio would otherwise stand forever on the forecasts it last had
+        self.relearn_steps = relearn_steps
         # a choice held for the next steps of the same requests: (steps left, their ids, the load
         # bucket whose counters those steps advance, whether the choice drafts)
         self._hold: tuple[int, tuple[str, ...], LoadBucket, bool] | None = None
@@ -194,12 +201,16 @@ class DraftGate(GateMemory):
             self._stay_key = self.bucket_of(len(request_ids))
         else:
             self._run_left = 0
-            if self._stay:  # a stay of drafting steps ended: what one switch into drafting bought
-                stayed = self._buckets.get(self._stay_key)
-                if stayed is not None:
-                    stayed.stay_steps.update(float(self._stay), self.smoothing)
-                self._stay = 0
+            self._end_stay()
         return chosen
+
+    def _end_stay(self) -> None:
+        """A stay of drafting steps ended (if one ran): record what one switch into drafting bought."""
+        if self._stay:
+            stayed = self._buckets.get(self._stay_key)
+            if stayed is not None:
+                stayed.stay_steps.update(float(self._stay), self.smoothing)
+            self._stay = 0
 
     def expects_drafting(self, num_requests: int) -> bool:
         """Whether a request that joins a load of ``num_requests`` decoding requests may well
@@ -209,11 +220,31 @@ class DraftGate(GateMemory):
         latest choice: served on the demo pair at four requests (HumanEval, temperature 0), the
         choices flipped while the gate learned (drafting at 0.73-1.5x plain steps' rate), and a
         request admitted at a plain one reused a prompt without the drafter's K/V and never
-        drafted, in every drafting step after."""
+        drafted, in every drafting step after.
+
+        Also True after ``relearn_steps`` steps at that load where no request could draft
+        (``skip``): no choice moves the ratio while nobody can draft, so without it a ratio
+        that fell below the bar while the gate learned would hold for good (traced in-process
+        on the demo pair at one request, MT-Bench, temperature 1: every request after the
+        first few was admitted without the drafter's context, and the gate, still asked each
+        step, chose to explore them ~2300 times in 3072 steps, none of which could draft)."""
         b = self._buckets.get(self.bucket_of(max(1, num_requests)))
         if b is None or not b.draft_ratio.count:
             return True
-        return b.draft_ratio.value >= self.reuse_ratio
+        return b.draft_ratio.value >= self.reuse_ratio or b.since_choice >= self.relearn_steps
+
+    def skip(self, num_requests: int) -> None:
+        """A plain step of ``num_requests`` decoding requests none of which can draft (their
+        cached prefix lacked the drafter's K/V, or they joined a load where drafting was not
+        expected): the gate is not asked; the step counts towards ``relearn_steps``."""
+        self._hold = None
+        self._run_left = 0
+        self._before_drafted = self._last_drafted
+        self._last_drafted = False
+        self._end_stay()
+        b = self._buckets.get(self.bucket_of(max(1, num_requests)))
+        if b is not None:
+            b.since_choice += 1
 
     def holds(self, request_ids: Sequence[str]) -> bool:
         """Whether the next ``choose`` for these requests is a held choice (one that reads no
@@ -315,6 +346,7 @@ class DraftGate(GateMemory):
         # on noise and each flip pays the switch
         bar = plain_rate * (self.stay_ratio if self._last_drafted else self.enter_margin)
         b.draft_ratio.update(draft_rate / plain_rate, RATIO_SMOOTHING)
+        b.since_choice = 0
         if entry_rate >= bar:  # exploring a plain step also pays the switch back
             # it only refreshes the load's plain step time (a plain step emits one token for
             # any request): due when no plain step measured it for the interval

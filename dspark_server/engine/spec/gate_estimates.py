@@ -105,6 +105,7 @@ class LoadBucket:
     # drafting's forecast rate over plain steps' at this load, averaged over the full choices:
     # whether a request joining this load is likely to draft (DraftGate.expects_drafting)
     draft_ratio: MovingMean = field(default_factory=MovingMean)
+    since_choice: int = 0  # plain steps since a full choice, where no request could draft
 
     def outside(self, drafted: bool) -> float:
         """Seconds the loop spends outside a step of this kind (the other kind's until measured)."""
