@@ -777,10 +777,14 @@ def test_a_held_drafting_choice_is_the_choice_a_full_one_would_make() -> None:
     inner = held._choose
 
     def counting(
-        ids: list[str], regimes: list[float] | None, whole: bool, remaining: list[int] | None
+        ids: list[str],
+        regimes: list[float] | None,
+        whole: bool,
+        remaining: list[int] | None,
+        able: list[int] | None,
     ) -> list[int]:
         full_choices.append(held._steps)
-        return inner(ids, regimes, whole, remaining)
+        return inner(ids, regimes, whole, remaining, able)
 
     held._choose = counting  # type: ignore[method-assign]
     ids = ["a", "b"]
@@ -921,23 +925,30 @@ def test_a_load_expects_drafting_while_its_forecast_averaged_over_choices_stays_
     assert gate.expects_drafting(1) and gate.expects_drafting(64)  # other loads: not chosen at
 
 
-def test_a_load_where_nobody_can_draft_expects_drafting_again_after_relearn_steps() -> None:
+def test_a_load_where_nobody_can_draft_keeps_context_again_after_relearn_steps() -> None:
     """Requests admitted where drafting is not expected never draft, so no choice moves that
-    load's forecast ratio while only they run: after ``relearn_steps`` such steps (``skip``), a
-    request joining the load keeps the drafter's context again, and a full choice there starts
-    the count over. Other loads keep their own count."""
+    load's forecast ratio while only they run: after ``relearn_steps`` such steps (``skip``),
+    requests joining the load keep the drafter's context again (cached prompts are still
+    reused as they are), and the first choice one of them takes part in explores those that
+    can draft; the count starts over at every full choice. Other loads keep their own count."""
     gate = DraftGate(min_samples=1, prior_samples=0, explore_run=1, max_hold=0, relearn_steps=50)
     _warm(gate, IDS8, (1, 8.0), 1.0)  # drafting: 1 token per 8 s for each; plain 8 tokens/s
     for _ in range(10):
         gate.choose(IDS8)
-    assert not gate.expects_drafting(8)
+    assert not gate.expects_drafting(8) and not gate.keeps_context(8)
     for _ in range(49):
         gate.skip(8)
         gate.skip(1)  # a load never chosen at: the skips do not create or count it
-    assert not gate.expects_drafting(8) and gate.expects_drafting(1)
+    assert not gate.keeps_context(8) and gate.keeps_context(1)
     gate.skip(8)
-    assert gate.expects_drafting(8) and gate.expects_drafting(15)  # (one load bucket)
-    gate.choose(IDS8)  # one of those requests could draft: the gate chose in full again
-    assert not gate.expects_drafting(8)
+    assert gate.keeps_context(8) and gate.keeps_context(15)  # (one load bucket)
+    assert not gate.expects_drafting(8)  # (the ratio, which picks the cached pages, stands)
+    assert gate.choose(IDS8, able=[5, 2]) == [2, 5]  # the requests that can draft, explored
+    assert not gate.keeps_context(8)
+    for _ in range(50):
+        gate.skip(8)
+    assert gate.keeps_context(8)
+    gate.choose(IDS8)  # every request could draft: a full choice starts the count over
+    assert not gate.keeps_context(8)
     with pytest.raises(ValueError):
         DraftGate(relearn_steps=0)

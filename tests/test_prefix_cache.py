@@ -273,6 +273,7 @@ def test_where_drafting_stopped_a_prefix_without_drafter_context_is_reused_witho
     engine = make_engine(target, draft, "fixed", page_size=PS)
     assert engine.spec is not None
     monkeypatch.setattr(engine.spec, "prefix_needs_context", lambda load: False)
+    monkeypatch.setattr(engine.spec, "keeps_features", lambda load: False)
     serve(engine, [[prompt]], max_tokens=1)  # never drafts: its pages lack the drafter's K/V
     warm = serve(engine, [[prompt, other]])
     cold = serve(make_engine(target, draft, "fixed", page_size=PS, prefix_cache=False), [[prompt, other]])
@@ -281,6 +282,30 @@ def test_where_drafting_stopped_a_prefix_without_drafter_context_is_reused_witho
     assert cold.final("0-0").spec.rounds > 0
     assert warm.final("0-1").spec.rounds == 0  # its own prompt, at a load that keeps no features
     assert cold.final("0-1").spec.rounds > 0  # (drafting expected: it drafts)
+    assert warm.tokens("0-0") == cold.tokens("0-0") and warm.tokens("0-1") == cold.tokens("0-1")
+
+
+def test_a_load_that_relearns_reuses_cached_prompts_and_lets_new_ones_draft(
+    pair: tuple[Path, Path], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """At a load where drafting is not expected but whose requests keep the drafter's context
+    again (the gate relearning it: ``DraftGate.keeps_context``), a prompt cached without the
+    drafter's K/V is reused as it is (not prefilled again) and decodes without drafting, while
+    a prompt of its own keeps its features and drafts; the tokens are a cold prefill's."""
+    target, draft = pair
+    prompt = [int(t) for t in np.random.default_rng(4).integers(0, 24, 30)]
+    other = [int(t) for t in np.random.default_rng(5).integers(0, 24, 30)]
+    engine = make_engine(target, draft, "fixed", page_size=PS)
+    assert engine.spec is not None
+    monkeypatch.setattr(engine.spec, "prefix_needs_context", lambda load: False)
+    keeps = {"on": False}
+    monkeypatch.setattr(engine.spec, "keeps_features", lambda load: keeps["on"])
+    serve(engine, [[prompt]], max_tokens=1)  # cached without the drafter's K/V
+    keeps["on"] = True
+    warm = serve(engine, [[prompt, other]])
+    cold = serve(make_engine(target, draft, "fixed", page_size=PS, prefix_cache=False), [[prompt, other]])
+    assert warm.final("0-0").cached_tokens == 28 and warm.final("0-0").spec.rounds == 0
+    assert warm.final("0-1").spec.rounds > 0
     assert warm.tokens("0-0") == cold.tokens("0-0") and warm.tokens("0-1") == cold.tokens("0-1")
 
 

@@ -385,14 +385,18 @@ def _engine_holding(pair: tuple[Path, Path], drafting: bool) -> tuple[LLMEngine,
     hold = gate._hold_drafting if drafting else gate._hold_plain
 
     def spy_choose(
-        ids: list[str], regimes: list[float] | None, whole: bool, remaining: list[int] | None
+        ids: list[str],
+        regimes: list[float] | None,
+        whole: bool,
+        remaining: list[int] | None,
+        able: list[int] | None,
     ) -> list[int]:
         lessons = spec.lessons
         waiting_at_full_choice.append(len(lessons.plain) + len(lessons.outside) + len(lessons.drafts))
         if gate._bucket(len(ids)).measured(gate.min_samples):
             gate._steps += 1
             return hold(ids, gate._bucket(len(ids)), 8)
-        return full_choose(ids, regimes, whole, remaining)
+        return full_choose(ids, regimes, whole, remaining, able)
 
     gate._choose = spy_choose  # type: ignore[method-assign]
     return engine, waiting_at_full_choice

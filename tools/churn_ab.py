@@ -46,12 +46,14 @@ def _pin_plain(gate: DraftGate) -> None:
         regimes: Sequence[float] | None,
         whole: bool,
         remaining: Sequence[int] | None,
+        able: Sequence[int] | None = None,
     ) -> list[int]:
         gate._steps += 1
         return gate._hold_plain(request_ids, gate._bucket(len(request_ids)), gate.max_hold)
 
     gate._choose = choose  # type: ignore[method-assign]
     gate.expects_drafting = lambda num_requests: False  # type: ignore[method-assign]
+    gate.keeps_context = lambda num_requests: False  # type: ignore[method-assign]
 
 
 def build(

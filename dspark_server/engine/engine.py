@@ -73,6 +73,9 @@ class LLMEngine:
         # requests, whether all of them drafted, when its measured part ended), so that the
         # next step tells the speculative decoder how long the loop took in between
         self._decode_step_end: tuple[int, bool, float] | None = None
+        # whether this step's plain forward keeps the drafter's features (``keeps_features`` at
+        # the load a request admitted now joins): where it does not, its requests never draft
+        self._keep_features = True
 
     # ---- thread-safe entry points ------------------------------------------------------------
 
@@ -134,6 +137,7 @@ class LLMEngine:
             # of new prompts joins each other)
             load = min(self.cfg.max_running, self.scheduler.num_unfinished)
             self.scheduler.prefix_needs_context = self.spec.prefix_needs_context(load)
+            self._keep_features = self.spec.keeps_features(load)
         sched = self.scheduler.schedule()
         self.stats.record_preemptions(len(sched.preempted))
         if sched.empty:
@@ -181,12 +185,14 @@ class LLMEngine:
         seq_chunks += [SeqChunk(c.request.table, c.start, c.token_ids) for c in sched.prefills]
         tail = [1] * len(sched.decodes) + [1 if c.completes else 0 for c in sched.prefills]
         capture: tuple[int, ...] = ()
-        if spec is not None and self.scheduler.prefix_needs_context:
-            capture = spec.drafter.capture_layers
-        elif spec is not None:  # a load where the gate does not expect drafting (the flag the
-            # scheduler admitted with): the step keeps no features, its requests never draft
-            for req in sched.decodes + [c.request for c in sched.prefills]:
-                req.context_gap = True
+        if spec is not None:
+            requests = sched.decodes + [c.request for c in sched.prefills]
+            if not self._keep_features:  # a load where the gate does not expect drafting: the
+                # step keeps no features, its requests never draft
+                for req in requests:
+                    req.context_gap = True
+            elif not all(r.context_gap for r in requests):
+                capture = spec.drafter.capture_layers
         result = self.runner.forward(seq_chunks, tail, capture_layers=capture)
         self.stats.record_batch(result.batch.num_tokens, result.seconds)
         completing = [c.request for c in sched.prefills if c.completes]

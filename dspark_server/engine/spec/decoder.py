@@ -180,7 +180,8 @@ class SpeculativeDecoder:
         gate = self.gate
         if not decodes or gate is None:
             return [r for r in decodes if not r.context_gap]
-        if all(r.context_gap for r in decodes):  # nobody can draft: the gate is not asked
+        able = [i for i, r in enumerate(decodes) if not r.context_gap]
+        if not able:  # nobody can draft: the gate is not asked
             gate.skip(len(decodes))
             return []
         ids = tuple([r.request_id for r in decodes])
@@ -191,7 +192,7 @@ class SpeculativeDecoder:
                 self.file_lessons()  # the choice reads them
             regimes = [r.params.temperature for r in decodes]
             remaining = [r.params.max_tokens - len(r.output_ids) for r in decodes]
-            chosen = gate.choose(ids, regimes, room, remaining)
+            chosen = gate.choose(ids, regimes, room, remaining, able if len(able) < len(decodes) else None)
         # a request whose cached prefix lacks the drafter's K/V cannot draft
         return [decodes[i] for i in chosen if not decodes[i].context_gap] if chosen else []
 
@@ -205,6 +206,12 @@ class SpeculativeDecoder:
         the prompts the cache held, and time to the first token was 32-45 ms against off
         mode's 17-20."""
         return self.gate is None or self.gate.expects_drafting(load)
+
+    def keeps_features(self, load: int) -> bool:
+        """Whether plain steps at ``load`` keep the drafter's features for requests that can
+        draft (``DraftGate.keeps_context``); where they do not, every request in them is marked
+        ``context_gap``. Always, without a gate."""
+        return self.gate is None or self.gate.keeps_context(load)
 
     def file_lessons(self, alloc: PageAllocator | None = None) -> None:
         """File the held steps' waiting lessons and put-off rows (``HeldLessons``); where those

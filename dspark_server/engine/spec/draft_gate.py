@@ -182,6 +182,7 @@ class DraftGate(GateMemory):
         regimes: Sequence[float] | None = None,
         room: int | None = None,
         remaining: Sequence[int] | None = None,
+        able: Sequence[int] | None = None,
     ) -> list[int]:
         """Which of the step's decoding requests draft (indices into ``request_ids``): all of
         them, none (a plain step), or a few, exploring while plain steps are the faster choice.
@@ -189,11 +190,13 @@ class DraftGate(GateMemory):
         budget lets draft (None: all); a warm-up sample or an exploration of whole drafting
         steps waits for a step where all of them can (the rest would take plain tokens in the
         same forward: a partial step, which measures neither kind). ``remaining``: the tokens
-        each may still emit (what learning a newcomer's acceptance can pay back over)."""
+        each may still emit (what learning a newcomer's acceptance can pay back over).
+        ``able``: those that can draft, when not all of them can (the others were admitted
+        without the drafter's context): explorations pick among them."""
         chosen = self._held(request_ids)
         if chosen is None:
             whole = room is None or room >= len(request_ids)
-            chosen = self._choose(request_ids, regimes, whole, remaining)
+            chosen = self._choose(request_ids, regimes, whole, remaining, able)
         self._before_drafted = self._last_drafted
         self._last_drafted = bool(request_ids) and len(chosen) == len(request_ids)
         if self._last_drafted:
@@ -220,23 +223,34 @@ class DraftGate(GateMemory):
         latest choice: served on the demo pair at four requests (HumanEval, temperature 0), the
         choices flipped while the gate learned (drafting at 0.73-1.5x plain steps' rate), and a
         request admitted at a plain one reused a prompt without the drafter's K/V and never
-        drafted, in every drafting step after.
-
-        Also True after ``relearn_steps`` steps at that load where no request could draft
-        (``skip``): no choice moves the ratio while nobody can draft, so without it a ratio
-        that fell below the bar while the gate learned would hold for good (traced in-process
-        on the demo pair at one request, MT-Bench, temperature 1: every request after the
-        first few was admitted without the drafter's context, and the gate, still asked each
-        step, chose to explore them ~2300 times in 3072 steps, none of which could draft)."""
+        drafted, in every drafting step after."""
         b = self._buckets.get(self.bucket_of(max(1, num_requests)))
         if b is None or not b.draft_ratio.count:
             return True
-        return b.draft_ratio.value >= self.reuse_ratio or b.since_choice >= self.relearn_steps
+        return b.draft_ratio.value >= self.reuse_ratio
+
+    def keeps_context(self, num_requests: int) -> bool:
+        """Whether requests at a load of ``num_requests`` keep the drafter's context (their
+        plain steps keep features; else they never draft): where drafting is expected, and,
+        where it is not, once no request could draft there for ``relearn_steps`` steps
+        (``skip``). No choice moves the load's ratio while nobody can draft, so without it a
+        ratio that fell below the bar while the gate learned would hold for good. A request
+        admitted then keeps its context only if its prompt was not cached without it (a cached
+        prompt is reused, not prefilled again: at 16 requests on the demo pair, in-process,
+        prefilling them again cost ~4.5% of the time); the first choice it takes part in
+        explores it (``able``)."""
+        if self.expects_drafting(num_requests):
+            return True
+        b = self._buckets.get(self.bucket_of(max(1, num_requests)))
+        return b is not None and b.since_choice >= self.relearn_steps
 
     def skip(self, num_requests: int) -> None:
         """A plain step of ``num_requests`` decoding requests none of which can draft (their
         cached prefix lacked the drafter's K/V, or they joined a load where drafting was not
-        expected): the gate is not asked; the step counts towards ``relearn_steps``."""
+        expected): the gate is not asked; the step counts towards ``relearn_steps``
+        (``keeps_context``). Asked anyway, the gate chose to explore requests that could not
+        draft: traced in-process on the demo pair at one request (MT-Bench, temperature 1),
+        ~2300 explorations in 3072 steps, a full choice at nearly every step."""
         self._hold = None
         self._run_left = 0
         self._before_drafted = self._last_drafted
@@ -302,6 +316,7 @@ class DraftGate(GateMemory):
         regimes: Sequence[float] | None,
         whole: bool,
         remaining: Sequence[int] | None,
+        able: Sequence[int] | None = None,
     ) -> list[int]:
         n = len(request_ids)
         everyone, nobody = list(range(n)), list[int]()
@@ -346,7 +361,10 @@ class DraftGate(GateMemory):
         # on noise and each flip pays the switch
         bar = plain_rate * (self.stay_ratio if self._last_drafted else self.enter_margin)
         b.draft_ratio.update(draft_rate / plain_rate, RATIO_SMOOTHING)
-        b.since_choice = 0
+        relearn, b.since_choice = b.since_choice >= self.relearn_steps, 0
+        if relearn and able:  # the first choice since requests could draft here again: explore them
+            b.since_explore = b.since_partial = 0
+            return sorted(able)
         if entry_rate >= bar:  # exploring a plain step also pays the switch back
             # it only refreshes the load's plain step time (a plain step emits one token for
             # any request): due when no plain step measured it for the interval
@@ -396,7 +414,7 @@ class DraftGate(GateMemory):
         b.since_partial = 0
         # the requests known least: never drafted first (they stand on a prior), then the oldest
         drafted_at = self.forecasts.drafted_at
-        order = sorted(everyone, key=lambda i: drafted_at.get(request_ids[i], -1))
+        order = sorted(everyone if able is None else able, key=lambda i: drafted_at.get(request_ids[i], -1))
         return sorted(order[:few])
 
     def _newcomer_worth_learning(
