@@ -6,6 +6,7 @@ from __future__ import annotations
 import math
 import random
 
+import pytest
 import torch
 
 from dspark_server.engine.kv_cache import PageAllocator
@@ -108,3 +109,25 @@ def test_a_batch_of_plain_steps_teaches_and_puts_off_what_each_step_did_one_at_a
     # the same rows for the same positions at the same slots (grouped by request, in step order)
     assert torch.equal(got.features, want.features)
     assert torch.equal(got.positions, want.positions) and torch.equal(got.slots, want.slots)
+
+
+def test_a_plain_step_sharing_its_forward_with_a_prompt_teaches_what_its_decodes_alone_cost() -> None:
+    """A plain step of 12 decoding requests whose forward also carried a 600-token prompt chunk
+    is filed as what a forward of the 12 tokens alone costs, by the SPS curve (here bound by
+    reading the weights at small batches): split by token count, the decodes would get ~2% of a
+    forward that costs them ~16% (served on the K=8 twin, the gate then took plain steps of
+    8-15 requests for 4-8 ms against ~22 and never drafted there). Without a curve, the split
+    is by tokens."""
+
+    def curve(batch_tokens: int) -> float:
+        return 0.020 + 0.0002 * batch_tokens
+
+    filed: list[tuple[int, float]] = []
+    for gate in (DraftGate(forward_seconds=curve), DraftGate()):
+        gate.record_plain = lambda n, s: filed.append((n, s))  # type: ignore[method-assign]
+        forward = curve(612)
+        teach_plain(gate, None, 12, forward, 612, 600, forward + 0.001)
+    (n_curve, by_curve), (n_tokens, by_tokens) = filed
+    assert n_curve == n_tokens == 12
+    assert by_curve == pytest.approx(curve(12) + 0.001)
+    assert by_tokens == pytest.approx(curve(612) * 12 / 612 + 0.001)

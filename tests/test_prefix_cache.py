@@ -375,6 +375,50 @@ def test_plain_steps_keep_no_drafter_features_at_a_load_where_drafting_is_not_ex
     assert [wave.tokens(f"0-{i}") for i in range(3)] == [off.tokens(f"0-{i}") for i in range(3)]
 
 
+def test_a_running_request_keeps_its_drafter_context_when_the_load_moves_where_drafting_is_not_expected(
+    pair: tuple[Path, Path], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Whether a request keeps the drafter's context is settled when it is admitted: requests
+    that join a load where drafting is not expected never draft, and one already running keeps
+    its features (and its ability to draft) through their steps. Served on the K=8 twin at 16
+    requests, the load dipped to 15 between a request leaving and the next arriving, and
+    marking every running request there left one in 16 able to draft."""
+    target, draft = pair
+    prompts = [[int(t) for t in np.random.default_rng(s).integers(0, 24, 30)] for s in (10, 11, 12)]
+    engine = make_engine(target, draft, "dspark", page_size=PS, draft_gate=True)
+    spec = engine.spec
+    assert spec is not None
+    monkeypatch.setattr(spec, "keeps_features", lambda load: load < 2)
+    monkeypatch.setattr(spec, "prefix_needs_context", lambda load: load < 2)
+    monkeypatch.setattr(spec, "drafting", lambda decodes, room=None: [])  # plain steps
+    kept: list[tuple[bool, bool]] = []  # per plain step with the first request decoding
+    after_plain = spec.after_plain
+
+    def spy(alloc, decodes, positions, prefills, forward, seconds):  # type: ignore[no-untyped-def]
+        if any(r.request_id == "a" for r in decodes):
+            kept.append((forward.output.hidden is not None, len(decodes) + len(prefills) > 1))
+        after_plain(alloc, decodes, positions, prefills, forward, seconds)
+
+    monkeypatch.setattr(spec, "after_plain", spy)
+    col = Collector()
+    greedy = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
+    engine.add_request("a", prompts[0], greedy, col.sink("a"))
+    for _ in range(4):
+        engine.step()
+    short = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
+    for i, prompt in enumerate(prompts[1:]):
+        engine.add_request(f"b{i}", prompt, short, col.sink(f"b{i}"))
+    engine.step()  # (admits them)
+    joined = [engine.requests[f"b{i}"] for i in range(2)]
+    first = engine.requests["a"]
+    run_all(engine)
+    assert all(r.context_gap for r in joined) and not first.context_gap
+    assert any(shared for _, shared in kept) and all(hidden for hidden, _ in kept)
+    off = make_engine(target, None, "off", page_size=PS)
+    alone = serve(off, [[prompts[0]]], max_tokens=24)
+    assert col.tokens("a") == alone.tokens("0-0")
+
+
 def test_steps_where_no_request_can_draft_do_not_ask_the_gate(
     pair: tuple[Path, Path], monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -186,12 +186,15 @@ class LLMEngine:
         tail = [1] * len(sched.decodes) + [1 if c.completes else 0 for c in sched.prefills]
         capture: tuple[int, ...] = ()
         if spec is not None:
-            requests = sched.decodes + [c.request for c in sched.prefills]
             if not self._keep_features:  # a load where the gate does not expect drafting: the
-                # step keeps no features, its requests never draft
-                for req in requests:
-                    req.context_gap = True
-            elif not all(r.context_gap for r in requests):
+                # prompts prefilled now keep no features, their requests never draft
+                for chunk in sched.prefills:
+                    chunk.request.context_gap = True
+            # (a decoding request keeps what it was admitted with: served on the K=8 twin at 16
+            # requests, the load dipped to 15 between a request leaving and the next arriving,
+            # and marking every running request there left one in 16 able to draft)
+            requests = sched.decodes + [c.request for c in sched.prefills]
+            if not all(r.context_gap for r in requests):
                 capture = spec.drafter.capture_layers
         result = self.runner.forward(seq_chunks, tail, capture_layers=capture)
         self.stats.record_batch(result.batch.num_tokens, result.seconds)

@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import math
+from collections.abc import Callable, Sequence
 from typing import NamedTuple
 
 from dspark_server.engine.spec.draft_gate import DraftGate
@@ -34,7 +35,11 @@ def teach(gate: DraftGate | None, overhead: StepOverhead | None, lesson: Draftin
     if not lesson.request_ids:
         return
     step_s, forward_s = decode_share(
-        lesson.forward_seconds, lesson.batch_tokens, lesson.prefill_tokens, lesson.step_seconds
+        lesson.forward_seconds,
+        lesson.batch_tokens,
+        lesson.prefill_tokens,
+        lesson.step_seconds,
+        None if gate is None else gate.forward_seconds,
     )
     n, num_requests = len(lesson.request_ids), lesson.num_requests
     if gate is not None:
@@ -63,7 +68,8 @@ def teach_plain(
     step_seconds: float,
 ) -> None:
     """A plain step's decoding share of time (one token per request, no draft pass)."""
-    step_s, forward_s = decode_share(forward_seconds, batch_tokens, prefill_tokens, step_seconds)
+    curve = None if gate is None else gate.forward_seconds
+    step_s, forward_s = decode_share(forward_seconds, batch_tokens, prefill_tokens, step_seconds, curve)
     if gate is not None:
         gate.record_plain(num_decodes, step_s)
     if overhead is not None:
@@ -86,11 +92,33 @@ def teach_plain_run(
 
 
 def decode_share(
-    forward_seconds: float, batch_tokens: int, prefill_tokens: int, step_seconds: float
+    forward_seconds: float,
+    batch_tokens: int,
+    prefill_tokens: int,
+    step_seconds: float,
+    curve: Callable[[int], float] | None = None,
 ) -> tuple[float, float]:
-    """(the step's, its forward's) seconds less the prefill chunks' share of the forward."""
-    # Under steady traffic almost every step also carries a prefill chunk: leave out its share
-    # of the forward (by token count) rather than the whole step, so the estimates keep learning
-    # instead of freezing on the rare prefill-free steps.
-    prefill_s = forward_seconds * prefill_tokens / max(1, batch_tokens)
+    """(the step's, its forward's) seconds less the prefill chunks' share of the forward.
+
+    Under steady traffic almost every step also carries a prefill chunk: leave out its share of
+    the forward rather than the whole step, so the estimates keep learning instead of freezing
+    on the rare prefill-free steps. The decodes' share is what a forward of their tokens alone
+    costs over one of the whole batch (``curve``: the target forward's time at B batch tokens,
+    the SPS table's), at least their share of the tokens (the share without a curve). Split by
+    token count alone, a forward bound by reading the weights left its decodes almost nothing:
+    served on the K=8 twin at 16 requests, the plain steps of 8-15 requests learnt 4-8 ms
+    from steps that shared the forward with a prompt chunk, against ~22 ms for one without,
+    and the gate chose plain steps whenever the load dipped to 15."""
+    if prefill_tokens <= 0:
+        return step_seconds, forward_seconds
+    batch = max(1, batch_tokens)
+    share = max(0.0, (batch - prefill_tokens) / batch)
+    if curve is not None and batch > prefill_tokens:
+        try:
+            alone, whole = curve(batch - prefill_tokens), curve(batch)
+        except (ValueError, ZeroDivisionError):
+            alone, whole = math.nan, math.nan
+        if math.isfinite(alone) and math.isfinite(whole) and whole > 0:
+            share = min(1.0, max(share, alone / whole))
+    prefill_s = forward_seconds * (1.0 - share)
     return step_seconds - prefill_s, forward_seconds - prefill_s
