@@ -7,7 +7,7 @@ import math
 
 import pytest
 
-from dspark_server.engine.spec.draft_gate import DraftGate
+from dspark_server.engine.spec.draft_gate import MIN_RATIO_CHOICES, DraftGate
 from dspark_server.engine.spec.gate_estimates import seed_scales
 
 IDS8 = [f"r{i}" for i in range(8)]
@@ -933,8 +933,10 @@ def test_a_load_where_nobody_can_draft_keeps_context_again_after_relearn_steps()
     can draft; the count starts over at every full choice. Other loads keep their own count."""
     gate = DraftGate(min_samples=1, prior_samples=0, explore_run=1, max_hold=0, relearn_steps=50)
     _warm(gate, IDS8, (1, 8.0), 1.0)  # drafting: 1 token per 8 s for each; plain 8 tokens/s
-    for _ in range(10):
+    for _ in range(MIN_RATIO_CHOICES - 1):
         gate.choose(IDS8)
+    assert gate.expects_drafting(8)  # too few choices yet to say otherwise (cold first steps)
+    gate.choose(IDS8)
     assert not gate.expects_drafting(8) and not gate.keeps_context(8)
     for _ in range(49):
         gate.skip(8)

@@ -34,6 +34,11 @@ MIN_REQUEST_MEANS = 3  # departed requests of a regime before a newcomer is pric
 # how fast a load's averaged forecast ratio (``expects_drafting``) follows the full choices: a few
 # choices, so that a load first priced on a neighbour's seeded times is soon priced on its own
 RATIO_SMOOTHING = 0.2
+# full choices at a load before its averaged ratio may say drafting is not expected there: served
+# cold on the demo pair at one request (HumanEval, temperature 0), the warm-up's two cold drafting
+# steps put the ratio at 0.75 and the first choices at 0.67, and every request admitted after
+# them (never able to draft) kept it there for most of the first 12 requests (a scratch trace)
+MIN_RATIO_CHOICES = 16
 
 
 class DraftGate(GateMemory):
@@ -218,14 +223,15 @@ class DraftGate(GateMemory):
     def expects_drafting(self, num_requests: int) -> bool:
         """Whether a request that joins a load of ``num_requests`` decoding requests may well
         draft: drafting's forecast rate there, averaged over the full choices, is at least
-        ``reuse_ratio`` of plain steps' (True at a load not chosen at yet). It moves by
+        ``reuse_ratio`` of plain steps' (True at a load not yet chosen at ``MIN_RATIO_CHOICES``
+        times). It moves by
         ``RATIO_SMOOTHING`` a choice. An average, not the
         latest choice: served on the demo pair at four requests (HumanEval, temperature 0), the
         choices flipped while the gate learned (drafting at 0.73-1.5x plain steps' rate), and a
         request admitted at a plain one reused a prompt without the drafter's K/V and never
         drafted, in every drafting step after."""
         b = self._buckets.get(self.bucket_of(max(1, num_requests)))
-        if b is None or not b.draft_ratio.count:
+        if b is None or b.draft_ratio.count < MIN_RATIO_CHOICES:
             return True
         return b.draft_ratio.value >= self.reuse_ratio
 
