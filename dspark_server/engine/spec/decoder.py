@@ -209,8 +209,9 @@ class SpeculativeDecoder:
 
     def keeps_features(self, load: int) -> bool:
         """Whether plain steps at ``load`` keep the drafter's features for requests that can
-        draft (``DraftGate.keeps_context``); where they do not, every request in them is marked
-        ``context_gap``. Always, without a gate."""
+        draft (``DraftGate.keeps_context``); where they do not, the prompts prefilled there are
+        marked ``context_gap`` (running requests keep what they were admitted with). Always,
+        without a gate."""
         return self.gate is None or self.gate.keeps_context(load)
 
     def file_lessons(self, alloc: PageAllocator | None = None) -> None:
