@@ -27,7 +27,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Sequence
 
-from dspark_server.engine.spec.gate_estimates import LoadBucket, learning_saves
+from dspark_server.engine.spec.gate_estimates import LoadBucket, learning_saves, newcomer_ratio
 from dspark_server.engine.spec.gate_memory import GateMemory
 
 MIN_REQUEST_MEANS = 3  # departed requests of a regime before a newcomer is priced on them
@@ -222,18 +222,28 @@ class DraftGate(GateMemory):
 
     def expects_drafting(self, num_requests: int) -> bool:
         """Whether a request that joins a load of ``num_requests`` decoding requests may well
-        draft: drafting's forecast rate there, averaged over the full choices, is at least
-        ``reuse_ratio`` of plain steps' (True at a load not yet chosen at ``MIN_RATIO_CHOICES``
-        times). It moves by
-        ``RATIO_SMOOTHING`` a choice. An average, not the
-        latest choice: served on the demo pair at four requests (HumanEval, temperature 0), the
-        choices flipped while the gate learned (drafting at 0.73-1.5x plain steps' rate), and a
-        request admitted at a plain one reused a prompt without the drafter's K/V and never
-        drafted, in every drafting step after."""
+        draft: drafting's forecast rate there, averaged over the full choices (it moves by
+        ``RATIO_SMOOTHING`` a choice), or a newcomer's forecast on the load's prior now
+        (``newcomer_ratio``), is at least ``reuse_ratio`` of plain steps'. True at a load not
+        yet chosen ``MIN_RATIO_CHOICES`` times, or whose prior rests on fewer than
+        ``prior_samples`` drafting steps.
+
+        An average, not the latest choice: served on the demo pair at four requests (HumanEval,
+        temperature 0), the choices flipped while the gate learned (drafting at 0.73-1.5x plain
+        steps' rate), and a request admitted at a plain one reused a prompt without the
+        drafter's K/V and never drafted, in every drafting step after. The newcomer's forecast
+        beside it, and the prior's minimum of samples: served cold on the demo pair at one
+        request (HumanEval, temperature 0), the first three requests (explored over their
+        weakest, first steps) held the average under the bar on a prior of six drafting steps, and
+        when the fourth drafted for 25 steps (4.6 tokens a step, 1.5x plain steps' rate) the
+        average still stood under it: the next three requests were admitted unable to draft
+        (a scratch per-step trace)."""
         b = self._buckets.get(self.bucket_of(max(1, num_requests)))
         if b is None or b.draft_ratio.count < MIN_RATIO_CHOICES:
             return True
-        return b.draft_ratio.value >= self.reuse_ratio
+        if b.tokens_per_request.count < self.prior_samples:
+            return True
+        return b.draft_ratio.value >= self.reuse_ratio or newcomer_ratio(b) >= self.reuse_ratio
 
     def keeps_context(self, num_requests: int) -> bool:
         """Whether requests at a load of ``num_requests`` keep the drafter's context (their
@@ -308,11 +318,12 @@ class DraftGate(GateMemory):
         self._hold = (steps, tuple(request_ids), b, True) if steps > 0 else None
         return list(range(len(request_ids)))
 
-    def _explore_drafting(self, request_ids: Sequence[str]) -> list[int]:
-        """Start an exploration run of whole drafting steps (``explore_run`` of them) for these
-        requests: it ends when they change (a newcomer would pay its whole prompt's catch-up,
-        on the demo pair's waves of four requests ~10-20 ms a step against ~6 for a warm one)."""
-        self._run_left = self.explore_run - 1
+    def _explore_drafting(self, request_ids: Sequence[str], run: int | None = None) -> list[int]:
+        """Start an exploration run of whole drafting steps (``run``; ``explore_run`` unless given)
+        for these requests: it ends when they change (a newcomer would pay its whole prompt's
+        catch-up, on the demo pair's waves of four requests ~10-20 ms a step against ~6 for a
+        warm one)."""
+        self._run_left = (self.explore_run if run is None else run) - 1
         self._run_ids = tuple(request_ids)
         return list(range(len(request_ids)))
 
@@ -390,13 +401,13 @@ class DraftGate(GateMemory):
         lost = self.explore_run * draft_s * loss_rate + switch
         few = self.explore_size(n)
         b.since_partial += 1
-        # a newcomer on a prior of few samples that might be far too low: learn it, once
-        learn = few == n and self._newcomer_worth_learning(
-            request_ids, regimes, remaining, (draft_s, plain_s), draft_rate / plain_rate, lost
-        )
+        # a newcomer on a prior of few samples that might be far too low: learn it
+        times, ratio = (draft_s, plain_s), draft_rate / plain_rate
+        learn_run = 0 if few < n else self._newcomer_run(request_ids, regimes, remaining, times, ratio, lost)
+        learn = learn_run > 0
         if whole and learn and b.since_explore >= self.explore_every:
             b.since_explore = b.since_partial = 0
-            return self._explore_drafting(request_ids)
+            return self._explore_drafting(request_ids, learn_run)
         near = draft_rate >= self.near_ratio * plain_rate
         odds = self.exploration_odds(draft_rate, plain_rate)
         forced = self.forced_interval(lost, plain_s)
@@ -422,6 +433,36 @@ class DraftGate(GateMemory):
         drafted_at = self.forecasts.drafted_at
         order = sorted(everyone if able is None else able, key=lambda i: drafted_at.get(request_ids[i], -1))
         return sorted(order[:few])
+
+    def _newcomer_run(
+        self,
+        request_ids: Sequence[str],
+        regimes: Sequence[float] | None,
+        remaining: Sequence[int] | None,
+        seconds: tuple[float, float],
+        rate_ratio: float,
+        lost: float,
+    ) -> int:
+        """How many drafting steps to explore a request that never drafted for, while plain steps
+        lead on its prior (0: none; ``rate_ratio``: the forecast drafting rate over plain steps'
+        rate; ``seconds``: a drafting and a plain step's time; ``lost``: what an exploration run
+        loses): one of the first ``MIN_REQUEST_MEANS`` requests of its regime alone in its step
+        drafts until it leaves (at most its ``remaining`` tokens' steps); another, where
+        ``_newcomer_worth_learning`` says so, ``explore_run`` steps.
+
+        The first requests learn over their whole lives because the first steps of a response
+        are not its mean: served cold on the demo pair at one request (HumanEval, temperature 0),
+        the first prompt's requests kept 1-2 tokens a drafting step over their first 16 steps,
+        where fixed mode ran 1.55x plain decoding's rate over the whole request (in-process);
+        runs of three steps also measured drafting steps cold after plain ones (3.3-4.1 ms
+        against 2.3-2.6 warm). On three such runs no later newcomer was worth learning, and the gate
+        drafted at 22% of the first 12 requests' steps (a scratch per-step trace)."""
+        if len(request_ids) == 1 and regimes is not None and remaining is not None:
+            newcomer = request_ids[0] not in self.forecasts.drafted_at
+            if newcomer and len(self.forecasts.request_means(regimes[0])) < MIN_REQUEST_MEANS:
+                return max(self.explore_run, remaining[0])
+        worth = self._newcomer_worth_learning(request_ids, regimes, remaining, seconds, rate_ratio, lost)
+        return self.explore_run if worth else 0
 
     def _newcomer_worth_learning(
         self,

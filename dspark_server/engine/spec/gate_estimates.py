@@ -169,3 +169,12 @@ def learning_saves(means: Sequence[float], ratio: float, tokens: int, seconds: t
     draft_s, plain_s = seconds
     saved = sum(max(0.0, plain_s - draft_s / (x * ratio)) for x in means if x * ratio > 0)
     return tokens * saved / max(1, len(means))
+
+
+def newcomer_ratio(b: LoadBucket) -> float:
+    """A request's drafting rate on the load's prior (its mean tokens per request in drafting
+    steps) over its plain rate, both over whole loop iterations (NaN until both are measured)."""
+    drafting = b.iteration(True)
+    if not drafting > 0:
+        return math.nan
+    return b.tokens_per_request.value * b.iteration(False) / drafting
