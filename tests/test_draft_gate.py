@@ -8,7 +8,7 @@ import math
 import pytest
 
 from dspark_server.engine.spec.draft_gate import MIN_RATIO_CHOICES, DraftGate
-from dspark_server.engine.spec.gate_estimates import seed_scales
+from dspark_server.engine.spec.gate_estimates import newcomer_ratio, seed_scales
 
 IDS8 = [f"r{i}" for i in range(8)]
 
@@ -959,22 +959,27 @@ def test_a_load_where_nobody_can_draft_keeps_context_again_after_relearn_steps()
 
 
 def test_a_load_expects_drafting_again_as_soon_as_its_prior_wins_though_its_average_lags() -> None:
-    """Served cold on the demo pair at one request, the first (weakest) requests put the load's
-    averaged ratio under ``reuse_ratio``; when a later request then drafted for 25 steps at 1.5x
-    plain steps' rate, the average, which moves only at full choices, still stood under the bar
-    and the next requests were admitted unable to draft. A newcomer's forecast on the load's
-    prior now counts beside the average; and the average may say "not expected" only once
-    the prior rests on ``prior_samples`` drafting steps."""
-    gate = DraftGate(min_samples=1, prior_samples=4, explore_run=1, max_hold=0)
+    """Served cold on the demo pair at one request, the first requests put the load's averaged
+    ratio under ``reuse_ratio``; when a later request then drafted for 25 steps at 1.5x plain
+    steps' rate, the average, which moves only at full choices, still stood under the bar and
+    the next requests were admitted unable to draft. A newcomer's forecast on the load's prior
+    now counts beside the average, once that prior holds drafting steps of the load's own (a
+    prior seeded from a neighbouring load is no evidence)."""
+    gate = DraftGate(min_samples=1, prior_samples=0, explore_run=1, max_hold=0)
     _warm(gate, IDS8, (1, 8.0), 1.0)  # drafting: 1 token per 8 s for each; plain 8 tokens/s
     for _ in range(MIN_RATIO_CHOICES):
         gate.choose(IDS8)
-    assert gate.expects_drafting(8)  # the prior rests on one drafting step: too few to say no
-    for _ in range(3):
-        gate.record(IDS8, True, [1] * 8, 8.0)
-    assert not gate.expects_drafting(8)  # four steps: the average (and the prior) say no
+    assert not gate.expects_drafting(8)
+    b = gate._buckets[DraftGate.bucket_of(8)]
     for _ in range(20):  # held drafting steps of easy requests: no full choice moves the average
         gate.record(IDS8, True, [12] * 8, 1.0)
-    b = gate._buckets[DraftGate.bucket_of(8)]
     assert b.draft_ratio.value < gate.reuse_ratio  # the average still says no
     assert gate.expects_drafting(8)  # the prior: ~10 tokens a request a drafting step, 8x plain time
+    # a load whose prior is a neighbour's seed: the same numbers, but no drafting step of its own
+    gate.choose([f"s{i}" for i in range(64)])
+    seeded = gate._buckets[DraftGate.bucket_of(64)]
+    assert seeded.tokens_per_request.count == gate.min_samples
+    seeded.draft_ratio = type(b.draft_ratio)(0.1, MIN_RATIO_CHOICES)
+    assert not gate.expects_drafting(64)
+    seeded.tokens_per_request.update(seeded.tokens_per_request.value, gate.forecasts.prior_smoothing)
+    assert gate.expects_drafting(64) is (newcomer_ratio(seeded) >= gate.reuse_ratio) is True
