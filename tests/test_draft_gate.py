@@ -983,3 +983,31 @@ def test_a_load_expects_drafting_again_as_soon_as_its_prior_wins_though_its_aver
     assert not gate.expects_drafting(64)
     seeded.tokens_per_request.update(seeded.tokens_per_request.value, gate.forecasts.prior_smoothing)
     assert gate.expects_drafting(64) is (newcomer_ratio(seeded) >= gate.reuse_ratio) is True
+
+
+def test_a_cached_prompt_is_prefilled_again_only_where_the_gate_has_found_drafting_worth_it() -> None:
+    """``drafts_at`` (what a cached prompt lacking the drafter's K/V is prefilled again for):
+    drafting expected after ``MIN_RATIO_CHOICES`` full choices at the load. A load seldom chosen
+    at, where drafting is expected for want of choices, is most often one a wave of requests
+    passes through: served at 16 requests, the wave's first requests joined loads of 1-7 and
+    prefilled again ~960 prompt tokens a round that off mode took from the cache."""
+
+    def step(gate: DraftGate, tokens: int, draft_s: float) -> None:
+        drafted = drafts_all(gate, IDS8)
+        gate.record(IDS8, drafted, [tokens if drafted else 1] * 8, draft_s if drafted else 1.0)
+
+    gate = DraftGate(min_samples=1, prior_samples=0, explore_run=1, max_hold=0)
+    assert gate.expects_drafting(8) and not gate.drafts_at(8)  # nothing chosen yet
+    _warm(gate, IDS8, (10, 1.0), 1.0)  # drafting: 80 tokens/s, plain: 8 tokens/s
+    b = gate._buckets[DraftGate.bucket_of(8)]
+    while b.draft_ratio.count < MIN_RATIO_CHOICES - 1:
+        step(gate, 10, 1.0)
+    assert gate.expects_drafting(8) and not gate.drafts_at(8)
+    step(gate, 10, 1.0)
+    assert gate.drafts_at(8) and gate.drafts_at(15)  # (one load bucket)
+    assert gate.expects_drafting(2) and not gate.drafts_at(2)  # another load: not chosen at
+    losing = DraftGate(min_samples=1, prior_samples=0, explore_run=1, max_hold=0)
+    _warm(losing, IDS8, (1, 8.0), 1.0)  # drafting: 1 token per 8 s for each
+    for _ in range(MIN_RATIO_CHOICES):
+        losing.choose(IDS8)
+    assert not losing.expects_drafting(8) and not losing.drafts_at(8)

@@ -314,8 +314,9 @@ def test_a_prefix_without_drafter_context_is_reused_where_the_load_it_joins_does
 ) -> None:
     """Whether a new request reuses cached pages that lack the drafter's K/V follows the load it
     joins (every request running or waiting), not the gate's latest choice: with the gate
-    expecting drafting at one request only, a prompt sent alone prefills again (it may draft),
-    and the same prompt in a wave of three reuses the pages and decodes without drafting."""
+    having found drafting worth it at one request only (``drafts_at``), a prompt sent alone
+    prefills again (it may draft), and the same prompt in a wave of three reuses the pages and
+    decodes without drafting."""
     target, draft = pair
     prompt = [int(t) for t in np.random.default_rng(4).integers(0, 24, 30)]
     others = [[int(t) for t in np.random.default_rng(s).integers(0, 24, 30)] for s in (5, 6)]
@@ -323,11 +324,11 @@ def test_a_prefix_without_drafter_context_is_reused_where_the_load_it_joins_does
     assert engine.spec is not None and engine.spec.gate is not None
     loads: list[int] = []
 
-    def expects_drafting(load: int) -> bool:
+    def drafts_at(load: int) -> bool:
         loads.append(load)
         return load < 2
 
-    monkeypatch.setattr(engine.spec.gate, "expects_drafting", expects_drafting)
+    monkeypatch.setattr(engine.spec.gate, "drafts_at", drafts_at)
     monkeypatch.setattr(engine.spec, "drafting", lambda decodes, room=None: [])  # plain steps
     serve(engine, [[prompt]], max_tokens=1)  # plain steps put its context writes off: never written
     alone = serve(engine, [[prompt]], max_tokens=1)
@@ -473,3 +474,26 @@ def test_a_request_that_stops_inside_a_round_leaves_only_the_pages_its_tokens_na
         for n in range(n_requests):
             assert warm.tokens(str(n)) == cold.tokens(str(n)), (temperature, n)
         assert sum(warm.final(str(n)).spec.rounds for n in range(n_requests)) > 2 * n_requests
+
+
+def test_a_prefix_without_drafter_context_is_reused_at_a_load_the_gate_has_not_chosen_at(
+    pair: tuple[Path, Path],
+) -> None:
+    """In dspark mode a cached prompt lacking the drafter's K/V is prefilled again only where the
+    gate has found drafting worth it (``DraftGate.drafts_at``), not merely expected it for want
+    of choices: on a fresh engine a request joining any load reuses it as it is (and never
+    drafts), while a new prompt there still keeps the drafter's context. Served at 16 requests,
+    the first requests of each wave joined loads of 1-7 and prefilled again ~960 prompt tokens a
+    round that off mode took from the cache."""
+    target, draft = pair
+    prompt = [int(t) for t in np.random.default_rng(4).integers(0, 24, 30)]
+    engine = make_engine(target, draft, "dspark", page_size=PS, draft_gate=True)
+    spec = engine.spec
+    assert spec is not None and spec.gate is not None
+    assert spec.keeps_features(1) and not spec.prefix_needs_context(1)
+    serve(engine, [[prompt]], max_tokens=1)  # its pages' drafter K/V are put off, never written
+    second = serve(engine, [[prompt]], max_tokens=6)
+    assert second.final("0-0").cached_tokens == 28  # reused, not prefilled again
+    assert engine.stats.prompt_tokens == len(prompt) + len(prompt) - 28
+    cold = serve(make_engine(target, None, "off", page_size=PS, prefix_cache=False), [[prompt]], 6)
+    assert second.tokens("0-0") == cold.tokens("0-0")
