@@ -464,69 +464,47 @@ class DraftGate(GateMemory):
         """How many drafting steps to explore a request that never drafted for, while plain steps
         lead on its prior (0: none; ``rate_ratio``: the forecast drafting rate over plain steps'
         rate; ``seconds``: a drafting and a plain step's time; ``lost``: what an exploration run
-        loses): one of the first ``MIN_REQUEST_MEANS`` requests of its regime alone in its step
-        drafts until it leaves (at most its ``remaining`` tokens' steps); another, where
-        ``_newcomer_worth_learning`` says so, ``explore_run`` steps.
+        loses).
 
-        The first requests learn over their whole lives because the first steps of a response
-        are not its mean: served cold on the demo pair at one request (HumanEval, temperature 0),
-        the first prompt's requests kept 1-2 tokens a drafting step over their first 16 steps,
-        where fixed mode ran 1.55x plain decoding's rate over the whole request (in-process);
-        runs of three steps also measured drafting steps cold after plain ones (3.3-4.1 ms
-        against 2.3-2.6 warm). On three such runs no later newcomer was worth learning, and the gate
-        drafted at 22% of the first 12 requests' steps (a scratch per-step trace)."""
-        if len(request_ids) == 1 and regimes is not None and remaining is not None:
-            newcomer = request_ids[0] not in self.forecasts.drafted_at
-            if newcomer and len(self.forecasts.request_means(regimes[0])) < MIN_REQUEST_MEANS:
-                return max(self.explore_run, remaining[0])
-        worth = self._newcomer_worth_learning(request_ids, regimes, remaining, seconds, rate_ratio, lost)
-        return self.explore_run if worth else 0
+        Alone in its step, with fewer than ``MIN_REQUEST_MEANS`` requests of its regime gone
+        before: until it leaves (at most its ``remaining`` tokens' steps), whatever its prior
+        says. A prior of one or two requests stands for none: served cold on the demo pair (one
+        request, HumanEval, temperature 0), the warm-up and the first request were the same
+        prompt, the weakest of the 13 (1.9 tokens kept a drafting step where their mean was 3.9);
+        on it drafting looked 2.5x slower than plain steps, explorations came once in ~1500
+        steps, and dspark mode ran at 0.7x fixed mode's throughput. Whole lives, not a run of
+        ``explore_run`` steps (session 38), because the first steps of a response are not its
+        mean: on the same point the first prompt's requests kept 1-2 tokens a drafting step over
+        their first 16 steps, where fixed mode ran 1.55x plain decoding's rate over the whole
+        request (in-process), and runs of three steps, cold after plain ones, measured drafting
+        steps at 3.3-4.1 ms against 2.3-2.6 warm. On three such runs no later newcomer was worth
+        learning, and the gate drafted at 22% of the first 12 requests' steps (a scratch per-step
+        trace).
 
-    def _newcomer_worth_learning(
-        self,
-        request_ids: Sequence[str],
-        regimes: Sequence[float] | None,
-        remaining: Sequence[int] | None,
-        seconds: tuple[float, float],
-        rate_ratio: float,
-        lost: float,
-    ) -> bool:
-        """Whether to explore a request that never drafted, while plain steps lead on its prior
-        (``rate_ratio``: the forecast drafting rate over plain steps' rate; ``seconds``: a
-        drafting and a plain step's time; ``lost``: what an exploration run loses).
-
-        Alone in its step, with ``MIN_REQUEST_MEANS`` requests of its regime gone before: where
-        the time those requests' acceptance would save, on average, over the tokens it may still
-        emit, exceeds what exploring loses. Served cold on the K=8 twin at one request (code,
-        temperature 0), the first requests kept 1-2 tokens a drafting step, and their prior held
-        later ones on plain steps for 27% of the request-steps, though some kept 6. Alone with
-        fewer of them gone before: always, so that the first ``MIN_REQUEST_MEANS`` requests of
-        a regime are one exploration run each, whatever they look like. A prior of one or two
-        requests stands for none: served cold on the demo pair (one request, HumanEval,
-        temperature 0), the warm-up and the first request were the same prompt, the weakest of
-        the 13 (1.9 tokens kept a drafting step where their mean was 3.9); on it drafting looked
-        2.5x slower than plain steps, explorations came once in ~1500 steps, and dspark mode ran
-        at 0.7x fixed mode's throughput.
+        Alone with ``MIN_REQUEST_MEANS`` requests of its regime gone before: ``explore_run`` steps
+        where the time those requests' acceptance would save, on average, over the tokens it may
+        still emit, exceeds what exploring loses. Served cold on the K=8 twin at one request
+        (code, temperature 0), the first requests kept 1-2 tokens a drafting step, and their
+        prior held later ones on plain steps for 27% of the request-steps, though some kept 6.
 
         Else, for a caller that does not give the regimes and the tokens left (the engine always
         does, and a newcomer is explored whole only alone in its step, so since session 35 the
         engine never reaches this rule), with a prior of fewer than ``prior_samples`` drafting
-        steps: where that prior, read
-        generously, puts drafting near plain steps' rate: a prior of m steps may understate the
-        traffic's tokens by a factor of up to 1 + ``newcomer_upside`` / m. Served cold on the
-        demo pair (one request, HumanEval, temperature 0), a drafting step took 6-7 plain steps'
-        time for 2-4 tokens: exploring every newcomer until its prior stood on 20 steps cost ~9%
-        of the first 12 requests."""
+        steps: ``explore_run`` steps where that prior, read generously, puts drafting near plain
+        steps' rate: a prior of m steps may understate the traffic's tokens by a factor of up to
+        1 + ``newcomer_upside`` / m. Served cold on the demo pair (one request, HumanEval,
+        temperature 0), a drafting step took 6-7 plain steps' time for 2-4 tokens: exploring
+        every newcomer until its prior stood on 20 steps cost ~9% of the first 12 requests."""
         forecasts, key = self.forecasts, self.bucket_of(len(request_ids))
         newcomers = [i for i, rid in enumerate(request_ids) if rid not in forecasts.drafted_at]
         if not newcomers:
-            return False
+            return 0
         if len(request_ids) == 1 and regimes is not None and remaining is not None:
             means = forecasts.request_means(regimes[0])
-            if len(means) >= MIN_REQUEST_MEANS:
-                ratio = forecasts.realised_ratio(regimes[0], key)
-                return learning_saves(means, ratio, remaining[0], seconds) > lost
-            return True
+            if len(means) < MIN_REQUEST_MEANS:  # (a newcomer: its whole life)
+                return max(self.explore_run, remaining[0])
+            ratio = forecasts.realised_ratio(regimes[0], key)
+            return self.explore_run if learning_saves(means, ratio, remaining[0], seconds) > lost else 0
         fewest: int | None = None
         for i in newcomers:
             if regimes is None:
@@ -536,8 +514,9 @@ class DraftGate(GateMemory):
             if samples < self.prior_samples:
                 fewest = samples if fewest is None else min(fewest, samples)
         if fewest is None:
-            return False
-        return rate_ratio * (1.0 + self.newcomer_upside / max(1, fewest)) >= self.near_ratio
+            return 0
+        generous = rate_ratio * (1.0 + self.newcomer_upside / max(1, fewest))
+        return self.explore_run if generous >= self.near_ratio else 0
 
     def record(
         self,
