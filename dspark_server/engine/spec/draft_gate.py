@@ -241,12 +241,7 @@ class DraftGate(GateMemory):
         priors a neighbour seeded and that never draft, on keeping features: in-process at 16
         requests (MT-Bench, temperature 1) 0.80x off against 1.00x."""
         b = self._buckets.get(self.bucket_of(max(1, num_requests)))
-        if b is None or b.draft_ratio.count < MIN_RATIO_CHOICES:
-            return True
-        if b.draft_ratio.value >= self.reuse_ratio:
-            return True
-        # (a prior seeded from a neighbouring load, whose count a seed sets, is no evidence)
-        return b.tokens_per_request.count > self.min_samples and newcomer_ratio(b) >= self.reuse_ratio
+        return b is None or b.draft_ratio.count < MIN_RATIO_CHOICES or self._drafting_pays(b)
 
     def drafts_at(self, num_requests: int) -> bool:
         """Whether the gate has found drafting worth it at a load of ``num_requests`` decoding
@@ -260,8 +255,15 @@ class DraftGate(GateMemory):
         prefilled again ~960 prompt tokens a round that off mode took from the cache (1362-1378
         against 402), with the engine's summed step time 12-16% above off's."""
         b = self._buckets.get(self.bucket_of(max(1, num_requests)))
-        chosen = b is not None and b.draft_ratio.count >= MIN_RATIO_CHOICES
-        return chosen and self.expects_drafting(num_requests)
+        return b is not None and b.draft_ratio.count >= MIN_RATIO_CHOICES and self._drafting_pays(b)
+
+    def _drafting_pays(self, b: LoadBucket) -> bool:
+        """The load's averaged ratio, or a newcomer's forecast on its prior, at ``reuse_ratio`` or
+        more (``expects_drafting`` once the load has its choices)."""
+        if b.draft_ratio.value >= self.reuse_ratio:
+            return True
+        # (a prior seeded from a neighbouring load, whose count a seed sets, is no evidence)
+        return b.tokens_per_request.count > self.min_samples and newcomer_ratio(b) >= self.reuse_ratio
 
     def keeps_context(self, num_requests: int) -> bool:
         """Whether requests at a load of ``num_requests`` keep the drafter's context (their
