@@ -924,7 +924,32 @@ def test_a_load_expects_drafting_while_its_forecast_averaged_over_choices_stays_
     turned = expected.index(False)
     assert turned > first_plain and not any(expected[turned:])  # explorations do not turn it back
     assert chosen[turned:].count(True) >= 2  # (it did explore drafting after that)
-    assert gate.expects_drafting(1) and gate.expects_drafting(64)  # other loads: not chosen at
+    # other loads, never chosen at, take the word of the nearest one that has been
+    assert not gate.expects_drafting(1) and not gate.expects_drafting(64)
+
+
+def test_a_load_seldom_chosen_at_expects_what_the_nearest_chosen_load_expects() -> None:
+    """A load not yet chosen ``MIN_RATIO_CHOICES`` times (most often one a wave of requests passes
+    through on its way to the load it decodes at) expects what the nearest load chosen at that
+    often expects, the larger of two as near; drafting where no load has been chosen at."""
+    gate = DraftGate(min_samples=1, prior_samples=0, explore_run=1, max_hold=0, relearn_steps=10**6)
+    one, many = ["a"], [f"m{i}" for i in range(64)]
+    assert gate.expects_drafting(1) and gate.expects_drafting(64)  # nothing chosen anywhere
+    for ids, tokens, seconds in ((one, 10, 1.0), (many, 1, 64.0)):  # measured at both loads
+        for _ in range(2):
+            gate.record(ids, True, [tokens] * len(ids), seconds)  # one request: 10 tokens/s
+            gate.record(ids, False, [1] * len(ids), 1.0)  # against 1; 64 requests: 1 against 64
+    for _ in range(MIN_RATIO_CHOICES - 1):
+        gate.choose(one)
+        gate.choose(many)
+    assert all(gate.expects_drafting(n) for n in (1, 4, 8, 32, 64))  # too few choices anywhere
+    gate.choose(one)
+    assert all(gate.expects_drafting(n) for n in (1, 4, 8, 32, 64))  # (only one load chosen at)
+    gate.choose(many)
+    assert gate.expects_drafting(1) and not gate.expects_drafting(64)
+    assert gate.expects_drafting(3) and gate.expects_drafting(4)  # nearer one request
+    assert not gate.expects_drafting(16) and not gate.expects_drafting(32)  # nearer 64
+    assert not gate.expects_drafting(8)  # as near to both (1 -> 8 -> 64): the larger load's word
 
 
 def test_a_load_where_nobody_can_draft_keeps_context_again_after_relearn_steps() -> None:
@@ -932,7 +957,8 @@ def test_a_load_where_nobody_can_draft_keeps_context_again_after_relearn_steps()
     load's forecast ratio while only they run: after ``relearn_steps`` such steps (``skip``),
     requests joining the load keep the drafter's context again (cached prompts are still
     reused as they are), and the first choice one of them takes part in explores those that
-    can draft; the count starts over at every full choice. Other loads keep their own count."""
+    can draft; the count starts over at every full choice. Other loads keep their own count,
+    a load never chosen at too (it follows the nearest chosen load's word until then)."""
     gate = DraftGate(min_samples=1, prior_samples=0, explore_run=1, max_hold=0, relearn_steps=50)
     _warm(gate, IDS8, (1, 8.0), 1.0)  # drafting: 1 token per 8 s for each; plain 8 tokens/s
     for _ in range(MIN_RATIO_CHOICES - 1):
@@ -940,12 +966,16 @@ def test_a_load_where_nobody_can_draft_keeps_context_again_after_relearn_steps()
     assert gate.expects_drafting(8)  # too few choices yet to say otherwise (cold first steps)
     gate.choose(IDS8)
     assert not gate.expects_drafting(8) and not gate.keeps_context(8)
+    assert not gate.keeps_context(1)  # never chosen at: the nearest chosen load's word
     for _ in range(49):
         gate.skip(8)
-        gate.skip(1)  # a load never chosen at: the skips do not create or count it
-    assert not gate.keeps_context(8) and gate.keeps_context(1)
+        gate.skip(1)
+    assert not gate.keeps_context(8) and not gate.keeps_context(1)
     gate.skip(8)
     assert gate.keeps_context(8) and gate.keeps_context(15)  # (one load bucket)
+    assert not gate.keeps_context(1)
+    gate.skip(1)
+    assert gate.keeps_context(1)  # its own count
     assert not gate.expects_drafting(8)  # (the ratio, which picks the cached pages, stands)
     assert gate.choose(IDS8, able=[5, 2]) == [2, 5]  # the requests that can draft, explored
     assert not gate.keeps_context(8)
