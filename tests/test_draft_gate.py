@@ -1015,29 +1015,44 @@ def test_a_load_expects_drafting_again_as_soon_as_its_prior_wins_though_its_aver
     assert gate.expects_drafting(64) is (newcomer_ratio(seeded) >= gate.reuse_ratio) is True
 
 
-def test_a_cached_prompt_is_prefilled_again_only_where_the_gate_has_found_drafting_worth_it() -> None:
+def test_a_cached_prompt_is_prefilled_again_only_for_a_regime_the_gate_drafts_for_at_that_load() -> None:
     """``drafts_at`` (what a cached prompt lacking the drafter's K/V is prefilled again for):
-    drafting expected after ``MIN_RATIO_CHOICES`` full choices at the load. A load seldom chosen
-    at, where drafting is expected for want of choices, is most often one a wave of requests
-    passes through: served at 16 requests, the wave's first requests joined loads of 1-7 and
-    prefilled again ~960 prompt tokens a round that off mode took from the cache."""
+    drafting expected after ``MIN_RATIO_CHOICES`` full choices at the load, and of the full
+    choices the request's sampling regime took part in there, at least half drafted. A load
+    seldom chosen at, where drafting is expected for want of choices, is most often one a wave
+    of requests passes through (served at 16 requests, the wave's first requests joined loads
+    of 1-7 and prefilled again ~960 prompt tokens a round that off mode took from the cache);
+    and where the forecast stands near plain steps' rate but the gate does not draft, a prompt
+    prefilled again never drafts and leaves its pages as they were, for the next round to
+    prefill again (session 39's first sweep: up to 11.6x off mode's prompt tokens a round)."""
+    greedy = [0.0] * 8
 
-    def step(gate: DraftGate, tokens: int, draft_s: float) -> None:
-        drafted = drafts_all(gate, IDS8)
-        gate.record(IDS8, drafted, [tokens if drafted else 1] * 8, draft_s if drafted else 1.0)
+    def step(gate: DraftGate, tokens: int, draft_s: float) -> bool:
+        chosen = gate.choose(IDS8, greedy)  # a full choice (the engine gives the regimes)
+        assert chosen in ([], list(range(8)))
+        gate.record(IDS8, bool(chosen), [tokens if chosen else 1] * 8, draft_s if chosen else 1.0)
+        return bool(chosen)
 
     gate = DraftGate(min_samples=1, prior_samples=0, explore_run=1, max_hold=0)
-    assert gate.expects_drafting(8) and not gate.drafts_at(8)  # nothing chosen yet
+    assert gate.expects_drafting(8) and not gate.drafts_at(8, 0.0)  # nothing chosen yet
     _warm(gate, IDS8, (10, 1.0), 1.0)  # drafting: 80 tokens/s, plain: 8 tokens/s
     b = gate._buckets[DraftGate.bucket_of(8)]
     while b.draft_ratio.count < MIN_RATIO_CHOICES - 1:
         step(gate, 10, 1.0)
-    assert gate.expects_drafting(8) and not gate.drafts_at(8)
+    assert gate.expects_drafting(8) and not gate.drafts_at(8, 0.0)
     step(gate, 10, 1.0)
-    assert gate.drafts_at(8) and gate.drafts_at(15)  # (one load bucket)
-    assert gate.expects_drafting(2) and not gate.drafts_at(2)  # another load: not chosen at
+    assert gate.drafts_at(8, 0.0) and gate.drafts_at(15, 0.0)  # (one load bucket)
+    assert not gate.drafts_at(8, 1.0)  # a regime that took part in no choice there
+    assert gate.expects_drafting(2) and not gate.drafts_at(2, 0.0)  # another load: not chosen at
     losing = DraftGate(min_samples=1, prior_samples=0, explore_run=1, max_hold=0)
     _warm(losing, IDS8, (1, 8.0), 1.0)  # drafting: 1 token per 8 s for each
     for _ in range(MIN_RATIO_CHOICES):
-        losing.choose(IDS8)
-    assert not losing.expects_drafting(8) and not losing.drafts_at(8)
+        losing.choose(IDS8, greedy)
+    assert not losing.expects_drafting(8) and not losing.drafts_at(8, 0.0)
+    # drafting forecast at 0.9x plain steps' rate: expected (at ``reuse_ratio`` or more), but
+    # not worth entering (``enter_margin``): the gate explores it now and then, no more
+    near = DraftGate(min_samples=1, prior_samples=0, explore_run=1, max_hold=0, explore_fraction=1.0)
+    _warm(near, IDS8, (9, 10.0), 1.0)  # 7.2 tokens/s drafting against 8
+    drafted = [step(near, 9, 10.0) for _ in range(4 * MIN_RATIO_CHOICES)]
+    assert 0 < sum(drafted) < len(drafted) / 4
+    assert near.expects_drafting(8) and not near.drafts_at(8, 0.0)

@@ -272,7 +272,7 @@ def test_where_drafting_stopped_a_prefix_without_drafter_context_is_reused_witho
     other = [int(t) for t in np.random.default_rng(5).integers(0, 24, 30)]
     engine = make_engine(target, draft, "fixed", page_size=PS)
     assert engine.spec is not None
-    monkeypatch.setattr(engine.spec, "prefix_needs_context", lambda load: False)
+    monkeypatch.setattr(engine.spec, "prefix_needs_context", lambda load, request: False)
     monkeypatch.setattr(engine.spec, "keeps_features", lambda load: False)
     serve(engine, [[prompt]], max_tokens=1)  # never drafts: its pages lack the drafter's K/V
     warm = serve(engine, [[prompt, other]])
@@ -297,7 +297,7 @@ def test_a_load_that_relearns_reuses_cached_prompts_and_lets_new_ones_draft(
     other = [int(t) for t in np.random.default_rng(5).integers(0, 24, 30)]
     engine = make_engine(target, draft, "fixed", page_size=PS)
     assert engine.spec is not None
-    monkeypatch.setattr(engine.spec, "prefix_needs_context", lambda load: False)
+    monkeypatch.setattr(engine.spec, "prefix_needs_context", lambda load, request: False)
     keeps = {"on": False}
     monkeypatch.setattr(engine.spec, "keeps_features", lambda load: keeps["on"])
     serve(engine, [[prompt]], max_tokens=1)  # cached without the drafter's K/V
@@ -324,7 +324,7 @@ def test_a_prefix_without_drafter_context_is_reused_where_the_load_it_joins_does
     assert engine.spec is not None and engine.spec.gate is not None
     loads: list[int] = []
 
-    def drafts_at(load: int) -> bool:
+    def drafts_at(load: int, regime: float) -> bool:
         loads.append(load)
         return load < 2
 
@@ -390,7 +390,7 @@ def test_a_running_request_keeps_its_drafter_context_when_the_load_moves_where_d
     spec = engine.spec
     assert spec is not None
     monkeypatch.setattr(spec, "keeps_features", lambda load: load < 2)
-    monkeypatch.setattr(spec, "prefix_needs_context", lambda load: load < 2)
+    monkeypatch.setattr(spec, "prefix_needs_context", lambda load, request: load < 2)
     monkeypatch.setattr(spec, "drafting", lambda decodes, room=None: [])  # plain steps
     kept: list[tuple[bool, bool]] = []  # per plain step with the first request decoding
     after_plain = spec.after_plain
@@ -490,7 +490,7 @@ def test_a_prefix_without_drafter_context_is_reused_at_a_load_the_gate_has_not_c
     engine = make_engine(target, draft, "dspark", page_size=PS, draft_gate=True)
     spec = engine.spec
     assert spec is not None and spec.gate is not None
-    assert spec.keeps_features(1) and not spec.prefix_needs_context(1)
+    assert spec.keeps_features(1) and spec.gate.drafts_at(1, 0.0) is False
     serve(engine, [[prompt]], max_tokens=1)  # its pages' drafter K/V are put off, never written
     second = serve(engine, [[prompt]], max_tokens=6)
     assert second.final("0-0").cached_tokens == 28  # reused, not prefilled again

@@ -7,6 +7,7 @@
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
 import queue
@@ -137,7 +138,7 @@ class LLMEngine:
             # of new prompts joins each other); asked only while prompts wait (at 16 requests
             # on the demo pair, asking at every step cost ~1% of a plain step's time)
             load = min(self.cfg.max_running, self.scheduler.num_unfinished)
-            self.scheduler.prefix_needs_context = self.spec.prefix_needs_context(load)
+            self.scheduler.prefix_needs_context = functools.partial(self.spec.prefix_needs_context, load)
             self._keep_features = self.spec.keeps_features(load)
         sched = self.scheduler.schedule()
         self.stats.record_preemptions(len(sched.preempted))

@@ -9,6 +9,7 @@ of the step's token budget, so a long prompt cannot stall the running requests.
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from dspark_server.config import EngineConfig
@@ -63,7 +64,7 @@ class Scheduler:
         self.cfg = cfg
         self.allocator = allocator
         self.decode_lookahead = decode_lookahead
-        self.prefix_needs_context = prefix_needs_context
+        self.prefix_needs_context: Callable[[Request], bool] = lambda request: prefix_needs_context
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
 
@@ -123,7 +124,7 @@ class Scheduler:
             req = self.waiting[0]
             found = None
             if not req.table.pages:
-                found = self.allocator.match_prefix(req.table, req.all_ids, self.prefix_needs_context)
+                found = self.allocator.match_prefix(req.table, req.all_ids, self.prefix_needs_context(req))
             chunk = self._chunk(req, budget)
             if chunk is None:
                 self.allocator.release(req.table)  # the cached pages wait in the cache, not here

@@ -196,15 +196,16 @@ class SpeculativeDecoder:
         # a request whose cached prefix lacks the drafter's K/V cannot draft
         return [decodes[i] for i in chosen if not decodes[i].context_gap] if chosen else []
 
-    def prefix_needs_context(self, load: int) -> bool:
-        """Whether a request that joins ``load`` decoding requests should reuse only cached pages
+    def prefix_needs_context(self, load: int, request: Request) -> bool:
+        """Whether ``request``, joining ``load`` decoding requests, should reuse only cached pages
         that hold the drafter's K/V: yes where every step drafts (no gate) or the gate has found
-        drafting worth it at that load (``DraftGate.drafts_at``); where it has not, a prefill
+        drafting worth it at that load for requests of its sampling regime
+        (``DraftGate.drafts_at``); where it has not, a prefill
         saved is worth more than drafting later. Served on the demo pair (MT-Bench, temperature
         0, 16 requests after a point at 4), the gate's latest choice, which was the rule before,
         had drafted at 4 requests: each new point's first wave prefilled again the prompts the
         cache held, and time to the first token was 32-45 ms against off mode's 17-20."""
-        return self.gate is None or self.gate.drafts_at(load)
+        return self.gate is None or self.gate.drafts_at(load, request.params.temperature)
 
     def keeps_features(self, load: int) -> bool:
         """Whether plain steps at ``load`` keep the drafter's features for requests that can

@@ -27,7 +27,13 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Sequence
 
-from dspark_server.engine.spec.gate_estimates import LoadBucket, learning_saves, newcomer_ratio
+from dspark_server.engine.spec.gate_estimates import (
+    LoadBucket,
+    MovingMean,
+    learning_saves,
+    newcomer_ratio,
+    regime_key,
+)
 from dspark_server.engine.spec.gate_memory import GateMemory
 
 MIN_REQUEST_MEANS = 3  # departed requests of a regime before a newcomer is priced on them
@@ -39,6 +45,11 @@ RATIO_SMOOTHING = 0.2
 # steps put the ratio at 0.75 and the first choices at 0.67, and every request admitted after
 # them (never able to draft) kept it there for most of the first 12 requests (a scratch trace)
 MIN_RATIO_CHOICES = 16
+# how fast a regime's share of drafting choices at a load follows them (``drafts_at``), and the
+# full choices, and the share of them, before a cached prompt is prefilled again for drafting
+SHARE_SMOOTHING = 0.1
+MIN_SHARE_CHOICES = 8
+PREFILL_SHARE = 0.5
 
 
 class DraftGate(GateMemory):
@@ -204,6 +215,12 @@ class DraftGate(GateMemory):
             chosen = self._choose(request_ids, regimes, whole, remaining, able)
         self._before_drafted = self._last_drafted
         self._last_drafted = bool(request_ids) and len(chosen) == len(request_ids)
+        if regimes and request_ids:  # a full choice: each regime's share of drafting ones
+            b = self._buckets.get(self.bucket_of(len(request_ids)))
+            if b is not None:
+                drafted = 1.0 if self._last_drafted else 0.0
+                for key in {regime_key(r) for r in set(regimes)}:
+                    b.drafted_share.setdefault(key, MovingMean()).update(drafted, SHARE_SMOOTHING)
         if self._last_drafted:
             self._stay += 1
             self._stay_key = self.bucket_of(len(request_ids))
@@ -264,19 +281,35 @@ class DraftGate(GateMemory):
             return None
         return self._buckets[min(chosen, key=lambda k: (abs(k - key), -k))]
 
-    def drafts_at(self, num_requests: int) -> bool:
-        """Whether the gate has found drafting worth it at a load of ``num_requests`` decoding
-        requests: ``MIN_RATIO_CHOICES`` full choices there and drafting expected
-        (``expects_drafting``). What a cached prompt whose drafter K/V were never written is
-        prefilled again for (``SpeculativeDecoder.prefix_needs_context``): a load the gate has
-        seldom chosen at is most often one a wave of requests passes through. Served on the
-        demo pair at 16 requests (HumanEval, temperature 0; bench_serving sends each round's
-        first 16 at once and the engine admits them over a few steps), the wave's first
-        requests joined loads of 1-7, where drafting was expected for want of choices, and
-        prefilled again ~960 prompt tokens a round that off mode took from the cache (1362-1378
-        against 402), with the engine's summed step time 12-16% above off's."""
+    def drafts_at(self, num_requests: int, regime: float) -> bool:
+        """Whether the gate drafts at a load of ``num_requests`` decoding requests for requests of
+        this sampling ``regime`` (temperature): ``MIN_RATIO_CHOICES`` full choices there,
+        drafting expected (``expects_drafting``), and of the last full choices the regime's
+        requests took part in (at least ``MIN_SHARE_CHOICES``), ``PREFILL_SHARE`` or more drafted
+        for every request. What a cached prompt whose drafter K/V were never written is
+        prefilled again for (``SpeculativeDecoder.prefix_needs_context``).
+
+        A load the gate has seldom chosen at is most often one a wave of requests passes
+        through. Served on the demo pair at 16 requests (HumanEval, temperature 0; bench_serving
+        sends each round's first 16 at once and the engine admits them over a few steps), the
+        wave's first requests joined loads of 1-7, where drafting was expected for want of
+        choices, and prefilled again ~960 prompt tokens a round that off mode took from the
+        cache (1362-1378 against 402), with the engine's summed step time 12-16% above off's.
+
+        The regime's share of drafting choices, not the load's forecast alone: a request that
+        prefills again and never drafts leaves its pages without the drafter's K/V as before
+        (plain steps put the writes off, and they are dropped when it leaves), and the next
+        round prefills them again. In session 39's first sweep on the demo pair (four modes
+        interleaved, the temperature-1 points after the temperature-0 ones), dspark mode
+        prefilled 2.6-11.6x off mode's prompt tokens in 9 of the 16 rounds from four requests
+        up, where the gate drafted at no more than 0.03 verified drafts per request-step
+        (HumanEval at 128 requests: 18162 and 17058 prompt tokens a round against 6898 and
+        1474; `/metrics` before and after each round)."""
         b = self._buckets.get(self.bucket_of(max(1, num_requests)))
-        return b is not None and b.draft_ratio.count >= MIN_RATIO_CHOICES and self._drafting_pays(b)
+        if b is None or b.draft_ratio.count < MIN_RATIO_CHOICES or not self._drafting_pays(b):
+            return False
+        share = b.drafted_share.get(regime_key(regime))
+        return share is not None and share.count >= MIN_SHARE_CHOICES and share.value >= PREFILL_SHARE
 
     def _drafting_pays(self, b: LoadBucket) -> bool:
         """The load's averaged ratio, or a newcomer's forecast on its prior, at ``reuse_ratio`` or

@@ -105,6 +105,9 @@ class LoadBucket:
     # drafting's forecast rate over plain steps' at this load, averaged over the full choices:
     # whether a request joining this load is likely to draft (DraftGate.expects_drafting)
     draft_ratio: MovingMean = field(default_factory=MovingMean)
+    # per sampling regime (``regime_key``): the share of the full choices its requests took part
+    # in that drafted for every request (DraftGate.drafts_at)
+    drafted_share: dict[float, MovingMean] = field(default_factory=dict)
     since_choice: int = 0  # plain steps since a full choice, where no request could draft
 
     def outside(self, drafted: bool) -> float:
