@@ -7,8 +7,9 @@ import math
 
 import pytest
 
-from dspark_server.engine.spec.draft_gate import MIN_RATIO_CHOICES, DraftGate
+from dspark_server.engine.spec.draft_gate import DraftGate
 from dspark_server.engine.spec.gate_estimates import newcomer_ratio, seed_scales
+from dspark_server.engine.spec.reuse_rules import MIN_RATIO_CHOICES
 
 IDS8 = [f"r{i}" for i in range(8)]
 

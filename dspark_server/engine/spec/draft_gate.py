@@ -27,32 +27,16 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Sequence
 
-from dspark_server.engine.spec.gate_estimates import (
-    LoadBucket,
-    MovingMean,
-    learning_saves,
-    newcomer_ratio,
-    regime_key,
-)
-from dspark_server.engine.spec.gate_memory import GateMemory
+from dspark_server.engine.spec.gate_estimates import LoadBucket, learning_saves
+from dspark_server.engine.spec.reuse_rules import ReuseRules
 
 MIN_REQUEST_MEANS = 3  # departed requests of a regime before a newcomer is priced on them
 # how fast a load's averaged forecast ratio (``expects_drafting``) follows the full choices: a few
 # choices, so that a load first priced on a neighbour's seeded times is soon priced on its own
 RATIO_SMOOTHING = 0.2
-# full choices at a load before its averaged ratio may say drafting is not expected there: served
-# cold on the demo pair at one request (HumanEval, temperature 0), the warm-up's two cold drafting
-# steps put the ratio at 0.75 and the first choices at 0.67, and every request admitted after
-# them (never able to draft) kept it there for most of the first 12 requests (a scratch trace)
-MIN_RATIO_CHOICES = 16
-# how fast a regime's share of drafting choices at a load follows them (``drafts_at``), and the
-# full choices, and the share of them, before a cached prompt is prefilled again for drafting
-SHARE_SMOOTHING = 0.1
-MIN_SHARE_CHOICES = 8
-PREFILL_SHARE = 0.5
 
 
-class DraftGate(GateMemory):
+class DraftGate(ReuseRules):
     def __init__(
         self,
         explore_every: int = 4,
@@ -216,11 +200,7 @@ class DraftGate(GateMemory):
         self._before_drafted = self._last_drafted
         self._last_drafted = bool(request_ids) and len(chosen) == len(request_ids)
         if regimes and request_ids:  # a full choice: each regime's share of drafting ones
-            b = self._buckets.get(self.bucket_of(len(request_ids)))
-            if b is not None:
-                drafted = 1.0 if self._last_drafted else 0.0
-                for key in {regime_key(r) for r in set(regimes)}:
-                    b.drafted_share.setdefault(key, MovingMean()).update(drafted, SHARE_SMOOTHING)
+            self.record_share(len(request_ids), regimes, self._last_drafted)
         if self._last_drafted:
             self._stay += 1
             self._stay_key = self.bucket_of(len(request_ids))
@@ -236,103 +216,6 @@ class DraftGate(GateMemory):
             if stayed is not None:
                 stayed.stay_steps.update(float(self._stay), self.smoothing)
             self._stay = 0
-
-    def expects_drafting(self, num_requests: int) -> bool:
-        """Whether a request that joins a load of ``num_requests`` decoding requests may well
-        draft: drafting's forecast rate there, averaged over the full choices (it moves by
-        ``RATIO_SMOOTHING`` a choice), or a newcomer's forecast on the load's prior now
-        (``newcomer_ratio``, once the prior holds a drafting step of the load's own), is at
-        least ``reuse_ratio`` of plain steps'. At a load not yet chosen ``MIN_RATIO_CHOICES``
-        times, what the nearest load that has been says (the larger of two as near), and True
-        where none has.
-
-        An average, not the latest choice: served on the demo pair at four requests (HumanEval,
-        temperature 0), the choices flipped while the gate learned (drafting at 0.73-1.5x plain
-        steps' rate), and a request admitted at a plain one reused a prompt without the
-        drafter's K/V and never drafted, in every drafting step after. The newcomer's forecast
-        beside it: served cold on the demo pair at one request (HumanEval, temperature 0), the
-        first three requests (explored over their weakest, first steps) held the average under
-        the bar, and when the fourth drafted for 25 steps (4.6 tokens a step, 1.5x plain steps'
-        rate) the average, which moves only at full choices, still stood under it: the next
-        three requests were admitted unable to draft (a scratch per-step trace). A requirement
-        of ``prior_samples`` drafting steps instead held the loads at 8-31 requests, whose
-        priors a neighbour seeded and that never draft, on keeping features: in-process at 16
-        requests (MT-Bench, temperature 1) 0.80x off against 1.00x.
-
-        The nearest chosen load's word at a load seldom chosen at, rather than True: such a load
-        is most often one a wave of requests passes through. Served on the demo pair at 16 and
-        64 requests (HumanEval, temperature 0; bench_serving sends a round's first requests at
-        once, and the engine admits them over a few steps), 44 of 49 and 110 of 129 requests a
-        round kept the drafter's features, admitted at loads of 1-63 before the wave was in,
-        though drafting was not expected at the load they then decoded at; with the nearest
-        load's word, 5 of 49 and 13 of 129 (scratch traces of admissions)."""
-        b = self._chosen_bucket(num_requests)
-        return b is None or self._drafting_pays(b)
-
-    def _chosen_bucket(self, num_requests: int) -> LoadBucket | None:
-        """The load bucket of ``num_requests`` once chosen at ``MIN_RATIO_CHOICES`` times, else
-        the nearest that has been (None: none has)."""
-        key = self.bucket_of(max(1, num_requests))
-        b = self._buckets.get(key)
-        if b is not None and b.draft_ratio.count >= MIN_RATIO_CHOICES:
-            return b
-        chosen = [k for k, w in self._buckets.items() if w.draft_ratio.count >= MIN_RATIO_CHOICES]
-        if not chosen:
-            return None
-        return self._buckets[min(chosen, key=lambda k: (abs(k - key), -k))]
-
-    def drafts_at(self, num_requests: int, regime: float) -> bool:
-        """Whether the gate drafts at a load of ``num_requests`` decoding requests for requests of
-        this sampling ``regime`` (temperature): ``MIN_RATIO_CHOICES`` full choices there,
-        drafting expected (``expects_drafting``), and of the last full choices the regime's
-        requests took part in (at least ``MIN_SHARE_CHOICES``), ``PREFILL_SHARE`` or more drafted
-        for every request. What a cached prompt whose drafter K/V were never written is
-        prefilled again for (``SpeculativeDecoder.prefix_needs_context``).
-
-        A load the gate has seldom chosen at is most often one a wave of requests passes
-        through. Served on the demo pair at 16 requests (HumanEval, temperature 0; bench_serving
-        sends each round's first 16 at once and the engine admits them over a few steps), the
-        wave's first requests joined loads of 1-7, where drafting was expected for want of
-        choices, and prefilled again ~960 prompt tokens a round that off mode took from the
-        cache (1362-1378 against 402), with the engine's summed step time 12-16% above off's.
-
-        The regime's share of drafting choices, not the load's forecast alone: a request that
-        prefills again and never drafts leaves its pages without the drafter's K/V as before
-        (plain steps put the writes off, and they are dropped when it leaves), and the next
-        round prefills them again. In session 39's first sweep on the demo pair (four modes
-        interleaved, the temperature-1 points after the temperature-0 ones), dspark mode
-        prefilled 2.6-11.6x off mode's prompt tokens in 9 of the 16 rounds from four requests
-        up, where the gate drafted at no more than 0.03 verified drafts per request-step
-        (HumanEval at 128 requests: 18162 and 17058 prompt tokens a round against 6898 and
-        1474; `/metrics` before and after each round)."""
-        b = self._buckets.get(self.bucket_of(max(1, num_requests)))
-        if b is None or b.draft_ratio.count < MIN_RATIO_CHOICES or not self._drafting_pays(b):
-            return False
-        share = b.drafted_share.get(regime_key(regime))
-        return share is not None and share.count >= MIN_SHARE_CHOICES and share.value >= PREFILL_SHARE
-
-    def _drafting_pays(self, b: LoadBucket) -> bool:
-        """The load's averaged ratio, or a newcomer's forecast on its prior, at ``reuse_ratio`` or
-        more (``expects_drafting`` once the load has its choices)."""
-        if b.draft_ratio.value >= self.reuse_ratio:
-            return True
-        # (a prior seeded from a neighbouring load, whose count a seed sets, is no evidence)
-        return b.tokens_per_request.count > self.min_samples and newcomer_ratio(b) >= self.reuse_ratio
-
-    def keeps_context(self, num_requests: int) -> bool:
-        """Whether requests at a load of ``num_requests`` keep the drafter's context (their
-        plain steps keep features; else they never draft): where drafting is expected, and,
-        where it is not, once no request could draft there for ``relearn_steps`` steps
-        (``skip``). No choice moves the load's ratio while nobody can draft, so without it a
-        ratio that fell below the bar while the gate learned would hold for good. A request
-        admitted then keeps its context only if its prompt was not cached without it (a cached
-        prompt is reused, not prefilled again: at 16 requests on the demo pair, in-process,
-        prefilling them again cost ~4.5% of the time); the first choice it takes part in
-        explores it (``able``)."""
-        if self.expects_drafting(num_requests):
-            return True
-        b = self._buckets.get(self.bucket_of(max(1, num_requests)))
-        return b is not None and b.since_choice >= self.relearn_steps
 
     def skip(self, num_requests: int) -> None:
         """A plain step of ``num_requests`` decoding requests none of which can draft (their
