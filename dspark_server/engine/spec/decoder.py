@@ -200,11 +200,11 @@ class SpeculativeDecoder:
         """Whether ``request``, joining ``load`` decoding requests, should reuse only cached pages
         that hold the drafter's K/V: yes where every step drafts (no gate) or the gate has found
         drafting worth it at that load for requests of its sampling regime
-        (``DraftGate.drafts_at``); where it has not, a prefill
-        saved is worth more than drafting later. Served on the demo pair (MT-Bench, temperature
-        0, 16 requests after a point at 4), the gate's latest choice, which was the rule before,
-        had drafted at 4 requests: each new point's first wave prefilled again the prompts the
-        cache held, and time to the first token was 32-45 ms against off mode's 17-20."""
+        (``DraftGate.drafts_at``); where it has not, a prefill saved is worth more than drafting
+        later. Served on the demo pair (MT-Bench, temperature 0, 16 requests after a point at 4),
+        the gate's latest choice, which was the rule before, had drafted at 4 requests: each new
+        point's first wave prefilled again the prompts the cache held, and time to the first
+        token was 32-45 ms against off mode's 17-20."""
         return self.gate is None or self.gate.drafts_at(load, request.params.temperature)
 
     def keeps_features(self, load: int) -> bool:
