@@ -150,9 +150,9 @@ class GateMemory:
     def _restart_stale_drafting(self, b: LoadBucket, seconds: float) -> None:
         """Where a load's drafting step time was last measured by a warm drafting step
         ``STALE_DRAFT_STEPS`` or more steps ago and this warm step took more than
-        ``STALE_DRAFT_FACTOR`` times less or more, the time starts over from this step (and the
-        gate's warm-up takes another drafting step to confirm it, the lesser of the two standing
-        for both). While plain steps lead, drafting is measured only by explorations, rare where
+        ``STALE_DRAFT_FACTOR`` times less or more, the time starts over from this step, which
+        stands for ``min_samples`` of them (no warm-up: at a load where some requests cannot
+        draft, the warm-up's drafting steps would be partial ones, which measure nothing). While plain steps lead, drafting is measured only by explorations, rare where
         it seems to lose by far, and a moving average moves by a twentieth a sample: served on
         the demo pair after points at 16 to 128 requests, the one-request load's drafting time
         stood at 4.97 ms against ~2.2 when it drafted there (session 39's final sweep,
@@ -165,7 +165,7 @@ class GateMemory:
             and self._clock - b.draft_at >= STALE_DRAFT_STEPS
             and not times.value / STALE_DRAFT_FACTOR <= seconds <= STALE_DRAFT_FACTOR * times.value
         ):
-            b.draft_seconds = StepTime()
+            b.draft_seconds = StepTime(seconds, self.min_samples - 1, [seconds] * (self.min_samples - 1))
 
     def record_plain(self, num_requests: int, seconds: float) -> None:
         """A finished plain step of ``num_requests`` decoding requests (its decoding share of time)."""
