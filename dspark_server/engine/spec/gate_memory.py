@@ -152,8 +152,9 @@ class GateMemory:
         ``STALE_DRAFT_STEPS`` or more steps ago and this warm step took more than
         ``STALE_DRAFT_FACTOR`` times less or more, the time starts over from this step, which
         stands for ``min_samples`` of them (no warm-up: at a load where some requests cannot
-        draft, the warm-up's drafting steps would be partial ones, which measure nothing). While plain steps lead, drafting is measured only by explorations, rare where
-        it seems to lose by far, and a moving average moves by a twentieth a sample: served on
+        draft, the warm-up's drafting steps would be partial ones, which measure nothing).
+        While plain steps lead, drafting is measured only by explorations, rare where it seems
+        to lose by far, and a moving average moves by a twentieth a sample: served on
         the demo pair after points at 16 to 128 requests, the one-request load's drafting time
         stood at 4.97 ms against ~2.2 when it drafted there (session 39's final sweep,
         ``dspark_draft_gate_step_seconds``), drafting's rate read half plain steps', and the
