@@ -7,7 +7,7 @@ import math
 
 import pytest
 
-from dspark_server.engine.spec.draft_gate import SEED_PATIENCE, DraftGate
+from dspark_server.engine.spec.draft_gate import DraftGate
 from dspark_server.engine.spec.gate_estimates import newcomer_ratio, seed_scales
 from dspark_server.engine.spec.reuse_rules import MIN_RATIO_CHOICES
 
@@ -1057,96 +1057,3 @@ def test_a_cached_prompt_is_prefilled_again_only_for_a_regime_the_gate_drafts_fo
     drafted = [step(near, 9, 10.0) for _ in range(4 * MIN_RATIO_CHOICES)]
     assert 0 < sum(drafted) < len(drafted) / 4
     assert near.expects_drafting(8) and not near.drafts_at(8, 0.0)
-
-
-def _plain_at_one_on_a_stale_drafting_time(relearn_steps: int) -> DraftGate:
-    """A gate that learnt one request's drafting steps at 5 ms (3 tokens each) while the machine
-    was busy, against 1 ms plain steps: plain leads, for 200 choices and then ``relearn_steps``
-    steps where nobody could draft."""
-    gate = DraftGate(prior_samples=0, request_smoothing=1.0, relearn_steps=relearn_steps)
-    for _ in range(2):  # warm-up: two drafting steps, two plain ones
-        assert drafts_all(gate, ["w"]) is True
-        gate.record(["w"], True, [3.0], 0.005)
-    for _ in range(2):
-        assert drafts_all(gate, ["w"]) is False
-        gate.record(["w"], False, [1], 0.001)
-    for _ in range(200):
-        assert drafts_all(gate, ["a"]) is False  # 3 tokens per 5 ms lose to 1 per 1 ms
-        gate.record(["a"], False, [1], 0.001)
-    for _ in range(relearn_steps):
-        gate.skip(1)
-    return gate
-
-
-def test_relearning_a_load_where_everyone_can_draft_explores_a_run_of_whole_steps() -> None:
-    """After ``relearn_steps`` steps where nobody could draft, the first choice at the load
-    explores: those that can draft, or, where all of them can, a run of ``explore_run`` whole
-    drafting steps (a lone step after plain ones is priced as the switch, and measures nothing
-    of drafting's own time)."""
-    gate = _plain_at_one_on_a_stale_drafting_time(relearn_steps=50)
-    run = []
-    for _ in range(gate.explore_run):
-        run.append(drafts_all(gate, ["b"]))
-        gate.record(["b"], True, [3.0], 0.005)  # as slow as learnt: the run ends, plain again
-    assert run == [True] * gate.explore_run
-    assert drafts_all(gate, ["b"]) is False
-
-
-def test_a_drafting_step_time_far_off_after_a_long_gap_starts_over() -> None:
-    """Served on the demo pair, the one-request load's drafting time stood at 4.97 ms after
-    points at 16 to 128 requests, against ~2.2 ms when it drafted there: drafting read half plain
-    steps' rate, and the next one-request point never drafted. A warm drafting step far off the
-    estimate (over 1.5x either way) after a long gap restarts it, and the gate drafts. Near the
-    estimate, or soon after the last warm drafting step, a step is one more sample."""
-    gate = _plain_at_one_on_a_stale_drafting_time(relearn_steps=50)
-    draft_time = lambda: gate.times()[DraftGate.bucket_of(1)][("draft", "step")]  # noqa: E731
-    assert draft_time() == pytest.approx(0.005)
-    assert drafts_all(gate, ["b"]) is True  # relearning: a run
-    gate.record(["b"], True, [3.0], 0.004)  # the cold first step: the switch's
-    assert draft_time() == pytest.approx(0.005)
-    assert drafts_all(gate, ["b"]) is True
-    gate.record(["b"], True, [3.0], 0.0023)  # warm, far off after 250 steps: starts over
-    assert draft_time() == pytest.approx(0.0023)
-    assert drafts_all(gate, ["b"]) is True  # (the run's last step)
-    gate.record(["b"], True, [3.0], 0.0022)
-    assert all(drafts_all(gate, ["b"]) for _ in range(8))  # 3 tokens per 2.3 ms beat 1 per 1 ms
-    gate.record(["b"], True, [3.0], 0.0090)  # soon after the last warm step: one more sample
-    assert draft_time() == pytest.approx(0.0023)  # (the median of the first ones)
-
-    near = _plain_at_one_on_a_stale_drafting_time(relearn_steps=50)
-    for seconds in (0.004, 0.0036):  # a run within 1.5x of the estimate, after the same gap
-        assert drafts_all(near, ["b"]) is True
-        near.record(["b"], True, [3.0], seconds)
-    assert near.times()[DraftGate.bucket_of(1)][("draft", "step")] == pytest.approx(0.005)  # (the median)
-
-
-def test_a_seeded_drafting_time_is_measured_once_the_load_has_lasted() -> None:
-    """A load first seen prices drafting on a neighbouring load's time, scaled (2 per bucket
-    without a forward-time curve), and never warms up by drafting (a ramp passes through it).
-    Served on the demo pair at four requests, such a seed put drafting at 0.45x plain steps'
-    rate, and the gate never drafted there for the rest of the point. Once the load has lasted
-    ``SEED_PATIENCE`` choices with the seed standing, a run of drafting steps measures it (only
-    at a step where every request can draft)."""
-
-    def at_four(able: list[int] | None) -> list[bool]:
-        gate = DraftGate(prior_samples=0, request_smoothing=1.0)
-        for drafted in (True, True, False, False):  # one request: 3 tokens in 2 ms beat 1 in 1 ms
-            assert drafts_all(gate, ["a"]) is drafted
-            gate.record(["a"], drafted, [3.0 if drafted else 1], 0.002 if drafted else 0.001)
-        four = ["p", "q", "r", "s"]
-        picks = []
-        for _ in range(SEED_PATIENCE + 20):
-            chosen = gate.choose(four, [0.0] * 4, None, [1000] * 4, able)
-            picks.append(bool(chosen))
-            if chosen:  # a drafting step at four requests: 3 ms, as fast as the seed says 8
-                gate.record([four[i] for i in chosen], True, [3.0] * len(chosen), 0.003, num_requests=4)
-            else:
-                gate.record(four, False, [1] * 4, 0.0015)
-        return picks
-
-    picks = at_four(able=None)
-    # the first choice measures the seeded plain time; 12 tokens per 8 ms seeded lose to 4 per 1.5
-    first = picks.index(True)
-    assert first == SEED_PATIENCE - 1, picks
-    assert all(picks[first:]), picks  # measured (3 ms): 12 tokens per 3 ms win, it stays drafting
-    assert not any(at_four(able=[0, 1, 2]))  # (never a run while a request cannot draft)

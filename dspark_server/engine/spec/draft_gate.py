@@ -34,9 +34,6 @@ MIN_REQUEST_MEANS = 3  # departed requests of a regime before a newcomer is pric
 # how fast a load's averaged forecast ratio (``expects_drafting``) follows the full choices: a few
 # choices, so that a load first priced on a neighbour's seeded times is soon priced on its own
 RATIO_SMOOTHING = 0.2
-# choices at a load whose drafting time is still a neighbour's seed before a run of drafting steps
-# measures it (while plain steps lead on the seed)
-SEED_PATIENCE = 64
 
 
 class DraftGate(ReuseRules):
@@ -196,7 +193,6 @@ class DraftGate(ReuseRules):
         each may still emit (what learning a newcomer's acceptance can pay back over).
         ``able``: those that can draft, when not all of them can (the others were admitted
         without the drafter's context): explorations pick among them."""
-        self._clock += 1
         chosen = self._held(request_ids)
         if chosen is None:
             whole = room is None or room >= len(request_ids)
@@ -228,7 +224,6 @@ class DraftGate(ReuseRules):
         (``keeps_context``). Asked anyway, the gate chose to explore requests that could not
         draft: traced in-process on the demo pair at one request (MT-Bench, temperature 1),
         ~2300 explorations in 3072 steps, a full choice at nearly every step."""
-        self._clock += 1
         self._hold = None
         self._run_left = 0
         self._before_drafted = self._last_drafted
@@ -258,7 +253,6 @@ class DraftGate(ReuseRules):
             return None
         self._hold = (left - 1, ids, b, drafting)
         self._steps += 1
-        b.choices += 1
         b.since_explore += 1
         b.since_plain += 1
         if drafting:  # (since_partial stays 0, as the full choice to draft that started it set)
@@ -311,7 +305,6 @@ class DraftGate(ReuseRules):
             # 7 -> 58 requests on the K=8 twin, 17 such steps drafted for the few requests the
             # budget left, ~650 ms each against ~110 ms plain, and measured nothing)
             return everyone if b.draft_seconds.count < self.min_samples and whole else nobody
-        b.choices += 1
         b.since_explore += 1
         b.since_plain += 1
         if self._run_left > 0 and self._last_drafted:
@@ -342,11 +335,9 @@ class DraftGate(ReuseRules):
         bar = plain_rate * (self.stay_ratio if self._last_drafted else self.enter_margin)
         b.draft_ratio.update(draft_rate / plain_rate, RATIO_SMOOTHING)
         relearn, b.since_choice = b.since_choice >= self.relearn_steps, 0
-        if relearn and (able or whole):  # the first choice since requests could draft here again:
-            # explore them, a run of whole steps where all of them can (its warm steps measure
-            # drafting's time, which a lone cold step prices as the switch)
+        if relearn and able:  # the first choice since requests could draft here again: explore them
             b.since_explore = b.since_partial = 0
-            return sorted(able) if able else self._explore_drafting(request_ids)
+            return sorted(able)
         if entry_rate >= bar:  # exploring a plain step also pays the switch back
             # it only refreshes the load's plain step time (a plain step emits one token for
             # any request): due when no plain step measured it for the interval
@@ -369,16 +360,10 @@ class DraftGate(ReuseRules):
         # a newcomer on a prior of few samples that might be far too low: learn it
         times, ratio = (draft_s, plain_s), draft_rate / plain_rate
         learn_run = 0 if few < n else self._newcomer_run(request_ids, regimes, remaining, times, ratio, lost)
-        # or a drafting time seeded from a neighbouring load and never measured here, once the
-        # load has lasted ``SEED_PATIENCE`` choices: one run measures it (served on the demo
-        # pair at four requests, a seed of 5.42 ms put drafting at 0.45x plain steps' rate, and
-        # the gate never drafted there for the rest of the point; a load a ramp passes through
-        # is priced on the seed, not warmed up by drafting)
-        seeded = b.draft_seconds.seed and b.choices >= SEED_PATIENCE
-        learn = learn_run > 0 or (seeded and able is None)
+        learn = learn_run > 0
         if whole and learn and b.since_explore >= self.explore_every:
             b.since_explore = b.since_partial = 0
-            return self._explore_drafting(request_ids, max(learn_run, self.explore_run))
+            return self._explore_drafting(request_ids, learn_run)
         near = draft_rate >= self.near_ratio * plain_rate
         odds = self.exploration_odds(draft_rate, plain_rate)
         forced = self.forced_interval(lost, plain_s)
@@ -390,11 +375,9 @@ class DraftGate(ReuseRules):
         # plain for now; while drafting clearly loses, for the next few steps of these requests
         # too, up to the step before an exploration could fall due
         hold = due - b.since_explore - 1 if entry_rate * self.hold_margin < bar else 0
-        if learn and b.since_explore < self.explore_every:
-            hold = min(hold, self.explore_every - b.since_explore - 1)
-        if b.draft_seconds.seed and able is None and b.choices < SEED_PATIENCE:
-            hold = min(hold, SEED_PATIENCE - b.choices - 1)  # (decided in full when patience ends)
         if few == n:
+            if learn and b.since_explore < self.explore_every:
+                hold = min(hold, self.explore_every - b.since_explore - 1)
             return self._hold_plain(request_ids, b, hold)
         partial = max(0.0, b.partial_lost.value if b.partial_lost.count else lost * few / n)
         budget = self.partial_explore_overhead * odds

@@ -98,12 +98,10 @@ class LoadBucket:
     # outputs, metrics, scheduling): paid once per step, whatever the step emitted
     outside_draft: MovingMean = field(default_factory=MovingMean)
     outside_plain: MovingMean = field(default_factory=MovingMean)
-    choices: int = 0  # steps the gate was asked about at this load (held choices too)
     since_explore: int = 0
     since_partial: int = 0
     since_plain: int = 0  # steps since a plain step's time was measured
     plain_at: int = 0  # the gate's step count when a plain step's time was last recorded
-    draft_at: int = 0  # the gate's clock (every step, skipped ones too) at the last warm drafting sample
     # drafting's forecast rate over plain steps' at this load, averaged over the full choices:
     # whether a request joining this load is likely to draft (DraftGate.expects_drafting)
     draft_ratio: MovingMean = field(default_factory=MovingMean)

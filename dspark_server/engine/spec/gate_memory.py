@@ -22,11 +22,6 @@ from dspark_server.engine.spec.request_forecasts import RequestForecasts
 # (``GateMemory._plain_bucket``): consecutive plain steps are averaged as they are; while drafting
 # wins, the plain time is refreshed one step every tens to hundreds of steps (``refresh_overhead``).
 STALE_PLAIN_STEPS = 16
-# Steps of the gate's clock (every step, those where nobody could draft too) between two warm
-# drafting steps of a load after which a drafting step off its time by more than this factor, in
-# either direction, restarts it (``GateMemory._learn_drafting``)
-STALE_DRAFT_STEPS = 64
-STALE_DRAFT_FACTOR = 1.5
 
 
 class GateMemory:
@@ -49,7 +44,6 @@ class GateMemory:
         # the target forward's time at B batch tokens: scales a measured bucket to a new load
         self.forward_seconds = forward_seconds
         self._steps = 0  # choices made so far: the clock forecasts age by
-        self._clock = 0  # steps so far, choices and skipped steps alike: what estimates age by
         self._buckets: dict[int, LoadBucket] = {}
         self.forecasts = RequestForecasts(
             request_smoothing, prior_smoothing, forecast_half_life, self.min_samples, ratio_prior_steps
@@ -134,9 +128,7 @@ class GateMemory:
             excess = max(0.0, seconds - b.draft_seconds.value)
             b.record_switch(switch + excess, prompts, self.smoothing)
         else:
-            self._restart_stale_drafting(b, seconds)
             b.draft_seconds.update(seconds, self.smoothing)
-            b.draft_at = self._clock
             # a switch while the bucket warms up; after a drafting step the catch-up is a few
             # plain decodes' rows at most, not the price of switching (averaged in, the warm
             # steps of exploration runs held the estimate at ~1.5 ms where a switch at four
@@ -146,27 +138,6 @@ class GateMemory:
         b.tokens_per_request.update(sum(tokens) / len(tokens), self.forecasts.prior_smoothing)
         mean = b.tokens_per_request.value
         self.forecasts.learn(request_ids, tokens, regimes, kept, key, mean, self._steps)
-
-    def _restart_stale_drafting(self, b: LoadBucket, seconds: float) -> None:
-        """Where a load's drafting step time was last measured by a warm drafting step
-        ``STALE_DRAFT_STEPS`` or more steps ago and this warm step took more than
-        ``STALE_DRAFT_FACTOR`` times less or more, the time starts over from this step, which
-        stands for ``min_samples`` of them (no warm-up: at a load where some requests cannot
-        draft, the warm-up's drafting steps would be partial ones, which measure nothing).
-        While plain steps lead, drafting is measured only by explorations, rare where it seems
-        to lose by far, and a moving average moves by a twentieth a sample: served on
-        the demo pair after points at 16 to 128 requests, the one-request load's drafting time
-        stood at 4.97 ms against ~2.2 when it drafted there (session 39's final sweep,
-        ``dspark_draft_gate_step_seconds``), drafting's rate read half plain steps', and the
-        gate never drafted at the next one-request point (0.77x fixed mode)."""
-        times = b.draft_seconds
-        if (
-            times.count >= self.min_samples
-            and not times.seed
-            and self._clock - b.draft_at >= STALE_DRAFT_STEPS
-            and not times.value / STALE_DRAFT_FACTOR <= seconds <= STALE_DRAFT_FACTOR * times.value
-        ):
-            b.draft_seconds = StepTime(seconds, self.min_samples - 1, [seconds] * (self.min_samples - 1))
 
     def record_plain(self, num_requests: int, seconds: float) -> None:
         """A finished plain step of ``num_requests`` decoding requests (its decoding share of time)."""
