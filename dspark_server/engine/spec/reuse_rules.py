@@ -133,8 +133,9 @@ class ReuseRules(GateMemory):
         dspark / off 0.93, 1.04, 1.03 at 128 requests against 0.84, 0.91, 0.82; 0.76, 1.11,
         0.85 at 64 against 0.74, 0.83, 0.76; 1.11-1.16 at four against 1.01-1.14; one request
         1.15-1.27 against 1.05-1.29. The bar at ``near_ratio`` for every load, learnt or not,
-        cost one request a fifth (1.09 and 1.16 of off against 1.32 and 1.26): the first
-        requests were admitted unable to draft while the gate learned."""
+        cost one request 8-17% (1.09 and 1.16 of off against 1.32 and 1.26, beside the code of
+        the time, a54ff0b): the first requests were admitted unable to draft while the gate
+        learned."""
         bar = self.near_ratio if b.draft_ratio.count >= SETTLED_CHOICES else self.reuse_ratio
         if b.draft_ratio.value >= bar:
             return True
