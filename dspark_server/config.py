@@ -184,6 +184,12 @@ class EngineConfig:
     # "auto": $DSPARK_WEIGHT_DTYPE where set, else bfloat16 where the CPU computes it natively
     # (AVX512-BF16 or AMX-BF16) and the fused forward runs, else float32 (``resolved_weight_dtype``).
     weight_dtype: str = "auto"
+    # The drafter's fused GEMM weights: "float32", "bfloat16", or "int8" (weight-only int8 with a
+    # scale per output column for its calls of a few rows, bf16 for larger ones; AVX512-VNNI):
+    # half bf16's bytes, and the drafter's block pass and context writes are bound by them. Its
+    # precision moves which tokens it drafts, never the tokens verification emits. "auto":
+    # $DSPARK_DRAFT_WEIGHT_DTYPE where set, else ``resolved_weight_dtype``.
+    draft_weight_dtype: str = "auto"
     # The target's KV cache: "float32", or "bfloat16" (keys and values rounded as they are stored,
     # attention in float32: half the bytes attention reads, which at many requests over long
     # histories is most of a forward; needs the fused forward). "auto": $DSPARK_KV_CACHE_DTYPE
@@ -202,6 +208,11 @@ class EngineConfig:
             return chosen
         native = any(f in cpu_flags().split() for f in ("avx512_bf16", "amx_bf16"))
         return "bfloat16" if native and self.layer_kernels and self.fused_forward else "float32"
+
+    def resolved_draft_weight_dtype(self) -> str:
+        """``draft_weight_dtype`` with "auto" decided: "float32", "bfloat16" or "int8"."""
+        chosen = _chosen(self.draft_weight_dtype, "DSPARK_DRAFT_WEIGHT_DTYPE")
+        return chosen if chosen is not None else self.resolved_weight_dtype()
 
     def resolved_kv_cache_dtype(self) -> str:
         """``kv_cache_dtype`` with "auto" decided: "bfloat16" with bf16 weights, else ``dtype``."""

@@ -154,6 +154,15 @@ def add_engine_args(
         f"(default: {field_default(EngineConfig, 'weight_dtype')})",
     )
     g.add_argument(
+        "--draft-weight-dtype",
+        choices=("auto", "float32", "bfloat16", "int8"),
+        default=None,
+        help="the drafter's GEMM weights: int8 serves weight-only int8 copies for its few-row calls "
+        "(half bf16's bytes; needs AVX512-VNNI), which moves the tokens it drafts but never the "
+        "tokens verification emits; auto: $DSPARK_DRAFT_WEIGHT_DTYPE, else --weight-dtype's choice "
+        f"(default: {field_default(EngineConfig, 'draft_weight_dtype')})",
+    )
+    g.add_argument(
         "--kv-cache-dtype",
         choices=("auto", "float32", "bfloat16"),
         default=None,
@@ -251,6 +260,8 @@ def engine_config_from_args(
         prefix_cache=not getattr(ns, "no_prefix_cache", False),
         weight_dtype=getattr(ns, "weight_dtype", None) or field_default(EngineConfig, "weight_dtype"),
         kv_cache_dtype=getattr(ns, "kv_cache_dtype", None) or field_default(EngineConfig, "kv_cache_dtype"),
+        draft_weight_dtype=getattr(ns, "draft_weight_dtype", None)
+        or field_default(EngineConfig, "draft_weight_dtype"),
         spec=spec,
         **capacity,
     )

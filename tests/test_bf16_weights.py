@@ -17,9 +17,9 @@ from dspark_server.engine.batch import SeqChunk, pack
 from dspark_server.engine.kv_cache import PageAllocator, PageTable
 from dspark_server.models import bf16_weights
 from dspark_server.models.attention import KVPool
-from dspark_server.models.fused_forward import bf16_supported
 from dspark_server.models.kernel_library import load_library
 from dspark_server.models.loader import load_target
+from dspark_server.models.weight_formats import WeightFormat, bf16_supported
 
 transformers = pytest.importorskip("transformers")
 
@@ -161,8 +161,8 @@ def test_context_write_from_bf16_weights_matches_the_bf16_rounded_drafter(lib: o
     for model, dtype in ((ours, torch.bfloat16), (f32, torch.float32)):
         model.fuse_projections()
         model.use_kernels(lib, fused=True, weight_dtype=dtype)  # type: ignore[arg-type]
-    assert ours._fused_context is not None and ours._fused_context.bf16
-    assert f32._fused_context is not None and not f32._fused_context.bf16
+    assert ours._fused_context is not None and ours._fused_context.format == WeightFormat.BF16
+    assert f32._fused_context is not None and f32._fused_context.format == WeightFormat.FLOAT32
     g = torch.Generator().manual_seed(tokens)
     feats = torch.randn(tokens, ours.config.context_dim, generator=g)
     positions = torch.arange(tokens) + 3

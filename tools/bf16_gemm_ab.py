@@ -22,8 +22,8 @@ from collections.abc import Callable
 import torch
 
 from dspark_server.models import bf16_weights
-from dspark_server.models.fused_forward import bf16_supported
 from dspark_server.models.kernel_library import load_library, torch_blas_symbol
+from dspark_server.models.weight_formats import bf16_supported
 
 _Fortran = ctypes.CFUNCTYPE(None, *[ctypes.c_void_p] * 13)
 

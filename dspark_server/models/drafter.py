@@ -38,13 +38,13 @@ from dspark_server.models.fused_forward import (
     DecoderShape,
     DecoderWeights,
     FusedForward,
-    bf16_supported,
     serving_layer_weights,
 )
 from dspark_server.models.layers import RMSNorm, RotaryEmbedding, serving_layout_
 from dspark_server.models.paged_layout import PagedLayout
 from dspark_server.models.row_ops import row_argmax
 from dspark_server.models.target import TargetModel
+from dspark_server.models.weight_formats import bf16_supported
 
 GREEDY_BF16_ROWS = 2  # the greedy Markov kernel's per-request path; more requests run one sgemm
 
@@ -135,11 +135,13 @@ class DSparkDrafter(nn.Module):
     ) -> None:
         """Serve with the fused element-wise kernels of ``lib`` (after ``fuse_projections``), or
         with the PyTorch ops (None). With ``fused``, a float32 block pass is one call into the
-        library (the target's fused forward in block mode, models/fused_forward.py)."""
+        library (the target's fused forward in block mode, models/fused_forward.py). ``weight_dtype``
+        int8: weight-only int8 GEMMs (models/weight_formats.py), the Markov head's in bf16."""
         self._kernels = lib
         if isinstance(self.markov_head, MarkovHead):  # its greedy block: W2 in bf16 at 1-2 requests
             w2 = self.markov_head.markov_w2.weight
-            bf16 = weight_dtype == torch.bfloat16 and bf16_supported(lib) and bf16_weights.fits(w2.t())
+            low = weight_dtype in (torch.bfloat16, torch.int8)
+            bf16 = low and bf16_supported(lib) and bf16_weights.fits(w2.t())
             self.markov_head.serve_bf16(GREEDY_BF16_ROWS if bf16 else 0)
             self.markov_head.serve_packed_f32(f32_weights.kernel_serves(lib))
         layers = serving_layer_weights(cast("list[DraftLayer]", self.layers)) if fused else None
@@ -166,6 +168,11 @@ class DSparkDrafter(nn.Module):
             self.rotary_emb.inv_freq,
             weight_dtype,
         )
+
+    @property
+    def serving_weight_dtype(self) -> torch.dtype:
+        """The dtype its block pass's GEMMs read (float32 off the fused path)."""
+        return self._fused.weight_dtype if self._fused is not None else torch.float32
 
     def _kernels_for(self, x: torch.Tensor, pool: KVPool) -> ctypes.CDLL | None:
         fused = cast("DraftLayer", self.layers[0]).self_attn._qkv is not None

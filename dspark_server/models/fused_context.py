@@ -8,7 +8,7 @@ runs after every verification step for the few accepted tokens; at one request i
 much as the verification's arithmetic on the demo pair, and on the K=8 twin its float32 weight
 reads (fc and k|v: 82 MB) took 5 ms of a 32 ms step. ``FusedContextWrite`` runs the same steps in
 C++ with the fused forwards' GEMMs (float32, with packed copies of fc and k|v for the kernel of a
-few rows, or weight-only bf16 copies).
+few rows, or weight-only bf16 or int8 copies: models/weight_formats.py).
 """
 
 from __future__ import annotations
@@ -19,10 +19,11 @@ from dataclasses import dataclass
 
 import torch
 
-from dspark_server.models import bf16_weights, f32_weights
+from dspark_server.models import f32_weights
 from dspark_server.models.attention import KVPool
-from dspark_server.models.fused_forward import LayerWeights, bf16_supported, cache_addresses, gemm_addresses
+from dspark_server.models.fused_forward import LayerWeights, cache_addresses
 from dspark_server.models.kernel_library import blas_sgemm
+from dspark_server.models.weight_formats import WeightFormat, chosen_format, gemm_addresses
 
 SYMBOL = "dspark_context_write_f32"
 
@@ -56,10 +57,10 @@ class FusedContextWrite:
         hidden_norm: torch.Tensor,
         layers: Sequence[LayerWeights],
         inv_freq: torch.Tensor,
-        bf16: bool,
+        fmt: WeightFormat,
         packed_f32: bool = False,
     ) -> None:
-        self.lib, self.sgemm, self.bf16, self.shape = lib, sgemm, bf16, shape
+        self.lib, self.sgemm, self.format, self.shape = lib, sgemm, fmt, shape
         self.context_dim = int(fc.shape[1])
         self.num_layers = len(layers)
         self.inv_freq = inv_freq.float().contiguous()
@@ -67,7 +68,7 @@ class FusedContextWrite:
         held: list[torch.Tensor] = [self.inv_freq, self.hidden_norm]
         start, width = shape.kv_start, shape.kv_width
         self.fc, self.fc_packed = gemm_addresses(
-            fc.detach().t().contiguous(), bf16, packed_f32, held
+            fc.detach().t().contiguous(), fmt, packed_f32, held
         )  # [C, H]
         table: list[int] = []
         for layer in layers:
@@ -77,9 +78,10 @@ class FusedContextWrite:
             k_norm = layer.qk_norm[shape.heads[0] :].detach().float().contiguous()
             held += [wt, k_norm]
             # float32: the k|v columns in place (row stride N), packed copies of just those columns;
-            # bf16: copies of just those columns
-            kv, kv_packed = gemm_addresses(wt[:, start : start + width], bf16, packed_f32, held)
-            table += [kv, width if bf16 else int(wt.shape[1]), kv_packed, k_norm.data_ptr()]
+            # bf16, int8: copies of just those columns
+            kv, kv_packed = gemm_addresses(wt[:, start : start + width], fmt, packed_f32, held)
+            in_place = fmt == WeightFormat.FLOAT32
+            table += [kv, int(wt.shape[1]) if in_place else width, kv_packed, k_norm.data_ptr()]
         self.layer_table = torch.tensor(table, dtype=torch.int64)
         self._held = held
         self._caches: tuple[KVPool, torch.Tensor] | None = None
@@ -109,11 +111,9 @@ class FusedContextWrite:
             return None
         start, width = shape.kv_start, shape.kv_width
         mats = [fc.t(), *(layer.qkv.t()[:, start : start + width] for layer in layers)]
-        bf16 = (
-            weight_dtype == torch.bfloat16 and bf16_supported(lib) and all(bf16_weights.fits(m) for m in mats)
-        )
-        packed_f32 = not bf16 and f32_weights.kernel_serves(lib)
-        return cls(lib, sgemm, shape, fc, hidden_norm, layers, inv_freq, bf16, packed_f32)
+        fmt = chosen_format(lib, weight_dtype, mats)
+        packed_f32 = fmt == WeightFormat.FLOAT32 and f32_weights.kernel_serves(lib)
+        return cls(lib, sgemm, shape, fc, hidden_norm, layers, inv_freq, fmt, packed_f32)
 
     def reads(self, pool: KVPool) -> bool:
         """Whether this write can store into ``pool`` (float32, or a bfloat16 KV cache)."""
@@ -132,7 +132,7 @@ class FusedContextWrite:
         s = self.shape
         rc = self.lib.dspark_context_write_f32(
             self.sgemm,
-            int(self.bf16),
+            int(self.format),
             t,
             feats.data_ptr(),
             self.context_dim,

@@ -29,11 +29,12 @@ import torch
 from torch import nn
 
 from dspark_server.config import ModelConfig
-from dspark_server.models import bf16_weights, f32_weights
+from dspark_server.models import f32_weights
 from dspark_server.models.attention import KVPool, PagedAttention, resolve_impl
 from dspark_server.models.drafter_config import DraftConfig
 from dspark_server.models.kernel_library import blas_sgemm
 from dspark_server.models.paged_layout import PagedLayout
+from dspark_server.models.weight_formats import WeightFormat, chosen_format, format_dtype, gemm_addresses
 
 SYMBOL = "dspark_decoder_forward_f32"
 
@@ -146,23 +147,22 @@ class FusedForward:
         sgemm: int,
         shape: DecoderShape,
         w: DecoderWeights,
-        bf16: bool = False,
+        fmt: WeightFormat = WeightFormat.FLOAT32,
         packed_f32: bool = False,
     ) -> None:
-        """``bf16``: serve the GEMMs from weight-only bf16 copies (packed for linear_bf16.cpp);
-        ``packed_f32``: keep float32 copies packed for linear_f32.cpp's kernel beside the serving
-        layout."""
-        self.lib, self.sgemm, self.bf16 = lib, sgemm, bf16
+        """``fmt``: how the GEMMs keep their weights (weight_formats.py); ``packed_f32``: under
+        float32, keep copies packed for linear_f32.cpp's kernel beside the serving layout."""
+        self.lib, self.sgemm, self.format = lib, sgemm, fmt
         self.hidden, self.vocab, self.heads = shape.hidden, shape.vocab, shape.heads
         self.inter, self.eps = shape.intermediate, shape.eps
-        self.weight_dtype = torch.bfloat16 if bf16 else torch.float32
+        self.weight_dtype = format_dtype(fmt)
         self.inv_freq = w.inv_freq.float().contiguous()
         self.embed = row_major(w.embed)  # rows are gathered: a column-major table is copied, once
         self.final_norm = w.final_norm.detach()
         held: list[torch.Tensor] = []
 
         def gemm_weight(m: torch.Tensor) -> tuple[int, int]:
-            return gemm_addresses(_transposed(m), bf16, packed_f32, held)
+            return gemm_addresses(_transposed(m), fmt, packed_f32, held)
 
         self.lm_wt, self.lm_packed = gemm_weight(w.lm_head)
         ptrs: list[int] = []
@@ -187,8 +187,8 @@ class FusedForward:
     ) -> FusedForward | None:
         """The fused forward for these weights (without projection biases: the caller checks),
         or None where it does not apply (no library, not float32, a weight not in the serving
-        layout, no BLAS found). ``weight_dtype`` bfloat16: weight-only bf16 GEMMs where the CPU
-        and the shapes allow (``bf16_supported``), else float32 ones."""
+        layout, no BLAS found). ``weight_dtype`` bfloat16 or int8: weight-only bf16 or int8 GEMMs
+        where the CPU and the shapes allow (``weight_formats.chosen_format``), else float32 ones."""
         if lib is None or not hasattr(lib, SYMBOL):
             return None
         mats = [w.lm_head] + [m for lw in w.layers for m in (lw.qkv, lw.o_proj, lw.gate_up, lw.down)]
@@ -199,9 +199,8 @@ class FusedForward:
         sgemm = blas_sgemm()
         if sgemm is None:
             return None
-        bf16 = weight_dtype == torch.bfloat16 and bf16_supported(lib)
-        bf16 = bf16 and all(bf16_weights.fits(m.t()) for m in mats)
-        return cls(lib, sgemm, shape, w, bf16, not bf16 and f32_weights.kernel_serves(lib))
+        fmt = chosen_format(lib, weight_dtype, [m.t() for m in mats])
+        return cls(lib, sgemm, shape, w, fmt, fmt == WeightFormat.FLOAT32 and f32_weights.kernel_serves(lib))
 
     def applies(self, attn: object) -> bool:
         """Whether this forward can run over ``attn`` (a pool the paged kernel reads)."""
@@ -304,7 +303,7 @@ class FusedForward:
             int(block),
             normed.data_ptr() if normed is not None else None,
             torch.get_num_threads(),
-            int(self.bf16),
+            int(self.format),
             int(pool.k.dtype == torch.bfloat16),
         )
         if rc != 0:
@@ -329,32 +328,10 @@ class FusedForward:
         return self._caches[1]
 
 
-def gemm_addresses(
-    wt: torch.Tensor, bf16: bool, packed_f32: bool, held: list[torch.Tensor]
-) -> tuple[int, int]:
-    """The two addresses a fused call's GEMM reads for the [K, N] weight ``wt`` (kernels/gemm.h):
-    in float32 ``wt`` itself and its copy packed for linear_f32.cpp (0 unless ``packed_f32`` and
-    the shape fits the kernel: the sgemm then serves every M); for weight-only bf16 its packed
-    bf16 copy and 0. Copies are kept in ``held``."""
-    if bf16:
-        held.append(bf16_weights.packed(wt))
-        return held[-1].data_ptr(), 0
-    held.append(wt)
-    if not (packed_f32 and f32_weights.fits(wt)):
-        return wt.data_ptr(), 0
-    held.append(f32_weights.packed(wt))
-    return wt.data_ptr(), held[-1].data_ptr()
-
-
 def cache_addresses(pool: KVPool, num_layers: int) -> torch.Tensor:
     """[2 * layers] int64: each layer's K and V cache address, in the order the kernels read."""
     ptrs = [p for i in range(num_layers) for p in (pool.k[i].data_ptr(), pool.v[i].data_ptr())]
     return torch.tensor(ptrs, dtype=torch.int64)
-
-
-def bf16_supported(lib: ctypes.CDLL | None) -> bool:
-    """Whether weight-only bf16 GEMMs run here (the kernel library on a CPU with AVX512-BF16)."""
-    return lib is not None and bool(lib.dspark_has_bf16())
 
 
 _ROW_MAJOR: dict[int, tuple[weakref.ref[torch.Tensor], torch.Tensor]] = {}

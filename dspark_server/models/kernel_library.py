@@ -163,6 +163,7 @@ SIGNATURES = {  # every function returns an int status (0: done)
     + [*[_P] * 6, _I, _P, _I, _P, _P, _I, _P, _C, _P, _C, _C, _C],
     # sgemm; weight_bf16; tokens; features; cdim; fc, fc_packed, hidden_norm; hidden; eps;
     # layers, hkv, d; k_eps; inv_freq, layer_table, positions, slots, caches; threads; kv_bf16
+    # (the second argument: gemm.h's WeightFormat)
     "dspark_context_write_f32": [_P, _C, _I, _P, _I, *[_P] * 3, _I, _F, *[_I] * 3, _F, *[_P] * 5, _C, _C],
     # sgemm; rows, g, vocab, rank; base, anchors, w1, w2t, w2t packed (or null), tokens; threads
     "dspark_markov_greedy_f32": [_P, *[_I] * 4, *[_P] * 6, _C],
@@ -178,6 +179,9 @@ SIGNATURES = {  # every function returns an int status (0: done)
     "dspark_bf16_gemm_variant": [],
     "dspark_has_bf16": [],
     "dspark_has_amx": [],
+    # x; m, k; int8 weight buffer (int8_weights.py); n; out; accumulate; threads
+    "dspark_linear_int8": [_P, _I, _I, _P, _I, _P, _C, _C],
+    "dspark_has_int8": [],
     # x; m, k; packed float32 weight (f32_weights.py); n; out; accumulate; threads
     "dspark_linear_f32": [_P, _I, _I, _P, _I, _P, _C, _C],
     "dspark_has_linear_f32": [],

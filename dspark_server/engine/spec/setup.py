@@ -6,6 +6,8 @@ import logging
 from collections.abc import Callable
 from pathlib import Path
 
+import torch
+
 from dspark_server.config import EngineConfig
 from dspark_server.engine.model_runner import ModelRunner
 from dspark_server.engine.profiler import (
@@ -39,6 +41,7 @@ log = logging.getLogger(__name__)
 CALIBRATION_FILE = "sts_calibration.json"
 GREEDY_CALIBRATION_FILE = "sts_calibration_greedy.json"
 STARTUP_PROFILE_BUDGET_S = 25.0
+DRAFT_WEIGHT_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "int8": torch.int8}
 
 
 def build_speculative(cfg: EngineConfig, runner: ModelRunner) -> SpeculativeDecoder:
@@ -46,7 +49,13 @@ def build_speculative(cfg: EngineConfig, runner: ModelRunner) -> SpeculativeDeco
     spec = cfg.spec
     drafter = load_drafter(cfg.draft_dir, runner.target, runner.dtype)
     lib = load_library() if cfg.layer_kernels else None
-    drafter.use_kernels(lib, fused=cfg.fused_forward, weight_dtype=runner.weight_dtype)
+    draft_dtype = cfg.resolved_draft_weight_dtype()
+    if draft_dtype not in DRAFT_WEIGHT_DTYPES:
+        raise ValueError(f"draft_weight_dtype must be auto, float32, bfloat16 or int8, got {draft_dtype!r}")
+    drafter.use_kernels(lib, fused=cfg.fused_forward, weight_dtype=DRAFT_WEIGHT_DTYPES[draft_dtype])
+    log.info(
+        "drafter weights served as %s (--draft-weight-dtype %s)", drafter.serving_weight_dtype, draft_dtype
+    )
     gamma = spec.gamma or drafter.gamma
     # the context cache in the target's KV dtype (a bfloat16 one where the fused calls read it)
     pool = drafter.new_kv_pool(runner.allocator.num_slots, runner.pool.k.dtype, impl=cfg.attention_impl)

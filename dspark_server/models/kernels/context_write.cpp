@@ -13,16 +13,17 @@
 #include "kernels.h"
 
 namespace {
-// Per layer, in this order: the k|v weight (float32 [K, ld] slice, or its packed bf16 blocks),
-// the row stride ld of the full q|k|v weight (float32), the k|v columns' packed float32 copy (or
-// 0: none), the k norm weights [hkv, d] (or 0: no k norm).
+// Per layer, in this order: the k|v weight (float32 [K, ld] slice, or its packed bf16 blocks, or
+// its int8 buffer), the row stride ld of the full q|k|v weight (float32), the k|v columns' packed
+// float32 copy (or 0: none; under int8 their packed bf16 copy), the k norm weights [hkv, d] (or 0:
+// no k norm). `weight_format`: gemm.h's WeightFormat.
 constexpr int kLayerEntries = 4;
 }  // namespace
 
 extern "C" {
 
 // Returns 0, or 1 for a bad argument, or the first failing kernel's code + 10.
-int dspark_context_write_f32(void* sgemm_fn, int weight_bf16, int64_t tokens, const float* features,
+int dspark_context_write_f32(void* sgemm_fn, int weight_format, int64_t tokens, const float* features,
                              int64_t cdim, const void* fc_w, const float* fc_packed, const float* norm_w, int64_t hidden,
                              float eps, int64_t layers, int64_t hkv, int64_t d, float qk_eps, const float* inv_freq,
                              const int64_t* layer_table, const int64_t* positions, const int64_t* slots,
@@ -31,7 +32,7 @@ int dspark_context_write_f32(void* sgemm_fn, int weight_bf16, int64_t tokens, co
   const int64_t kv_w = 2 * hkv * d;
   float* buf = static_cast<float*>(malloc(sizeof(float) * tokens * (2 * hidden + kv_w)));
   if (!buf) return 1;
-  const dspark::Gemms g{reinterpret_cast<dspark::Sgemm>(sgemm_fn), weight_bf16 != 0, nthreads};
+  const dspark::Gemms g{reinterpret_cast<dspark::Sgemm>(sgemm_fn), weight_format, nthreads};
   float *x = buf, *ctx = x + tokens * hidden, *kv = ctx + tokens * hidden;
   int rc = dspark::linear(g, features, tokens, cdim, fc_w, fc_packed, hidden, x, false);
   if (rc == 0) rc = dspark_rms_norm(0, x, nullptr, nullptr, norm_w, ctx, tokens, hidden, eps, nthreads);

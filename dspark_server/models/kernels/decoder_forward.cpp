@@ -13,7 +13,7 @@
 // linear_f32.cpp's packed panels (or none) for the kernel that serves the few rows of decoding
 // and verification (gemm.h).
 //
-// Weight-only bf16 (weight_bf16 = 1): every GEMM weight is bfloat16 in linear_bf16.cpp's packed
+// Weight-only bf16 (weight_format 1): every GEMM weight is bfloat16 in linear_bf16.cpp's packed
 // layout, for decode, verification blocks and prefill chunks alike (gemm.h). Activations, norms
 // and the logits stay float32; x is rounded to bf16 at each GEMM's input. A bfloat16 KV cache
 // (kv_bf16 = 1) halves the bytes attention reads: at 64 decoding requests over ~500 cached
@@ -58,8 +58,9 @@ int dspark_decoder_forward_f32(
     // to, unmasked, by the queries of their own sequence (slot_mapping unused); normed_out: the
     // final norm's output of `rows` [nrows, hidden], or null
     int block_mode, float* normed_out, int nthreads,
-    // weight-only bf16: `weights` and `lm_wt` point to packed bf16 layouts (no float32 copies)
-    int weight_bf16,
+    // gemm.h's WeightFormat: weight-only bf16 (1): `weights` and `lm_wt` point to packed bf16
+    // layouts (no float32 copies); weight-only int8 (2): to int8 buffers, their packed copies to bf16
+    int weight_format,
     // a bfloat16 KV pool (`caches`): keys and values are rounded to bf16 as they are stored and
     // read back as float32 (block mode's own keys and values stay float32 either way)
     int kv_bf16) {
@@ -68,7 +69,7 @@ int dspark_decoder_forward_f32(
   const int64_t qkv_w = (hq + 2 * hkv) * d, big = qkv_w > 2 * inter ? qkv_w : 2 * inter;
   float* buf = static_cast<float*>(malloc(sizeof(float) * tokens * (3 * hidden + 2 * hq * d + big + inter)));
   if (!buf) return 1;
-  const Gemms g{sgemm, weight_bf16 != 0, nthreads};
+  const Gemms g{sgemm, weight_format, nthreads};
   float *x = buf, *h = x + tokens * hidden, *tmp = h + tokens * hidden, *q = tmp + tokens * hidden;
   float *att = q + tokens * hq * d, *wide = att + tokens * hq * d, *mid = wide + tokens * big;
   int rc = 0;

@@ -2,7 +2,8 @@
 // (+)= x[M, K] times a weight, float32 through linear_f32.cpp's kernel on the weight's packed
 // copy up to a few hundred rows (decoding, verification, prefill chunks) and through the
 // BLAS sgemm whose address the caller passes (PyTorch's own MKL) on the serving layout above
-// them, or weight-only bf16 through linear_bf16.cpp's packed kernel at every M. MKL's own bf16
+// them, or weight-only bf16 through linear_bf16.cpp's packed kernel at every M, or weight-only int8
+// (linear_int8.cpp) for the few rows of decoding. MKL's own bf16
 // GEMM is not used: on an AMD EPYC with AVX512-BF16 it took a generic path no faster than float32
 // sgemm (`python -m tools.bf16_gemm_ab`, K 2048, N 9216, two threads, GFLOP/s at 1 / 32 / 160 /
 // 512 rows: MKL bf16 1.6 / 78 / 133 / 163, sgemm 11 / 60 / 108 / 162, the packed kernel 44 / 361
@@ -15,6 +16,8 @@ int dspark_linear_bf16(const float* x, int64_t m, int64_t k, const uint16_t* wp,
                        int accumulate, int nthreads);
 int dspark_linear_f32(const float* x, int64_t m, int64_t k, const float* wp, int64_t n, float* out, int accumulate,
                       int nthreads);
+int dspark_linear_int8(const float* x, int64_t m, int64_t k, const void* w, int64_t n, float* out, int accumulate,
+                       int nthreads);
 }
 
 namespace dspark {
@@ -42,9 +45,21 @@ inline int64_t f32_kernel_rows(int64_t k) {
 using Sgemm = void (*)(const char*, const char*, const int*, const int*, const int*, const float*, const float*,
                        const int*, const float*, const int*, const float*, float*, const int*);
 
+// How a fused call's weights are kept (the `weight_format` its callers pass).
+enum WeightFormat : int {
+  kFloat32 = 0,
+  kBf16 = 1,  // weight-only bf16: every weight is in linear_bf16.cpp's packed layout
+  kInt8 = 2,  // weight-only int8 (linear_int8.cpp) up to kInt8Rows rows, its bf16 copy above them
+};
+
+// Up to this many rows the int8 kernel serves an int8 weight: its VNNI products are the cheaper
+// per byte read while the GEMM waits on memory (the drafter's block and context writes), the bf16
+// kernel's (AMX or AVX512-BF16) past it, where the arithmetic dominates (prompt context writes).
+constexpr int64_t kInt8Rows = 16;
+
 struct Gemms {
   Sgemm sgemm;
-  bool bf16;  // weight-only bf16: every weight is in linear_bf16.cpp's packed layout
+  int format;  // WeightFormat
   int nthreads;
 };
 
@@ -52,10 +67,15 @@ struct Gemms {
 // `ldw` its row stride (N, or more for a slice of a wider weight's columns), and `packed` its copy
 // in linear_f32.cpp's panels (null: none kept, the sgemm serves every M). The sgemm sees row-major
 // out as column-major out^T = W (N x K, column-major: wt's rows) times x^T (K x M). Weight-only
-// bf16: w is the packed layout of exactly these N columns.
+// bf16: w is the packed layout of exactly these N columns. Int8: w is int8_weights.py's buffer
+// of these N columns and `packed` their packed bf16 copy.
 inline int linear(const Gemms& g, const float* x, int64_t m, int64_t k, const void* w, const float* packed,
                   int64_t n, float* out, bool accumulate, int64_t ldw = 0) {
-  if (g.bf16)
+  if (g.format == kInt8 && m > kInt8Rows && packed)
+    return dspark_linear_bf16(x, m, k, reinterpret_cast<const uint16_t*>(packed), n, out, accumulate ? 1 : 0,
+                              g.nthreads);
+  if (g.format == kInt8) return dspark_linear_int8(x, m, k, w, n, out, accumulate ? 1 : 0, g.nthreads);
+  if (g.format == kBf16)
     return dspark_linear_bf16(x, m, k, static_cast<const uint16_t*>(w), n, out, accumulate ? 1 : 0, g.nthreads);
   if (packed && m <= f32_kernel_rows(k) && dspark_linear_f32(x, m, k, packed, n, out, accumulate ? 1 : 0, g.nthreads) == 0)
     return 0;

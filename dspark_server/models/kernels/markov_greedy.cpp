@@ -79,7 +79,7 @@ int dspark_markov_greedy_f32(void* sgemm_fn, int64_t rows, int64_t g, int64_t vo
   if (!sgemm || rows <= 0 || g <= 0 || vocab <= 0 || rank <= 0) return 1;
   for (int64_t i = 0; i < rows; ++i)
     if (anchors[i] < 0 || anchors[i] >= vocab) return 1;
-  const dspark::Gemms gemms{sgemm, false, nthreads};
+  const dspark::Gemms gemms{sgemm, dspark::kFloat32, nthreads};
   dspark::MarkovBlock block(rows, g, vocab, rank, base, w1, w2t, w2p);
   if (!block.start(anchors)) return 1;
   float *z = block.z, *logits = block.logits;

@@ -49,7 +49,7 @@ int dspark_markov_sample_f32(void* sgemm_fn, int64_t rows, int64_t g, int64_t vo
     for (int64_t k = 0; k < g; ++k)
       if (!(uniforms[i * g + k] >= 0.0 && uniforms[i * g + k] < 1.0)) return 1;
   }
-  const dspark::Gemms gemms{sgemm, false, nthreads};
+  const dspark::Gemms gemms{sgemm, dspark::kFloat32, nthreads};
   dspark::MarkovBlock block(rows, g, vocab, rank, base, w1, w2t, w2p);
   if (!block.start(anchors)) return 1;
   for (int64_t k = 0; k < g; ++k) {
