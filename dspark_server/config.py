@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal, get_args
 
-from dspark_server.machine import cpu_flags
+from dspark_server.machine import checkpoint_bytes, cpu_flags
 
 SpecMode = Literal["off", "fixed", "threshold", "dspark"]
 SPEC_MODES: tuple[str, ...] = get_args(SpecMode)
@@ -144,6 +144,9 @@ def _chosen(value: str, env: str) -> str | None:
     return from_env if from_env and from_env != "auto" else None
 
 
+INT8_DRAFT_FROM_BYTES = 64 << 20  # a drafter checkpoint from which "auto" serves it in int8
+
+
 @dataclass(frozen=True)
 class EngineConfig:
     """Capacity and scheduling limits of the native engine."""
@@ -188,7 +191,9 @@ class EngineConfig:
     # scale per output column for its calls of a few rows, bf16 for larger ones; AVX512-VNNI):
     # half bf16's bytes, and the drafter's block pass and context writes are bound by them. Its
     # precision moves which tokens it drafts, never the tokens verification emits. "auto":
-    # $DSPARK_DRAFT_WEIGHT_DTYPE where set, else ``resolved_weight_dtype``.
+    # $DSPARK_DRAFT_WEIGHT_DTYPE where set, else int8 for a drafter of INT8_DRAFT_FROM_BYTES or
+    # more under bf16 weights on a CPU with AVX512-VNNI, else ``resolved_weight_dtype``
+    # (``resolved_draft_weight_dtype``).
     draft_weight_dtype: str = "auto"
     # The target's KV cache: "float32", or "bfloat16" (keys and values rounded as they are stored,
     # attention in float32: half the bytes attention reads, which at many requests over long
@@ -210,9 +215,18 @@ class EngineConfig:
         return "bfloat16" if native and self.layer_kernels and self.fused_forward else "float32"
 
     def resolved_draft_weight_dtype(self) -> str:
-        """``draft_weight_dtype`` with "auto" decided: "float32", "bfloat16" or "int8"."""
+        """``draft_weight_dtype`` with "auto" decided: "float32", "bfloat16" or "int8". A drafter
+        too big for the caches reads its weights from memory at every step, and int8 halves
+        those bytes (the K=8 twin, one request: a drafting step 24.0 -> 22.5 ms in-process, its
+        drafts kept as often); a small one (the demo's, 19 MB) keeps the target's choice."""
         chosen = _chosen(self.draft_weight_dtype, "DSPARK_DRAFT_WEIGHT_DTYPE")
-        return chosen if chosen is not None else self.resolved_weight_dtype()
+        if chosen is not None:
+            return chosen
+        target = self.resolved_weight_dtype()
+        vnni = "avx512_vnni" in cpu_flags().split()
+        if target == "bfloat16" and vnni and checkpoint_bytes(self.draft_dir) >= INT8_DRAFT_FROM_BYTES:
+            return "int8"
+        return target
 
     def resolved_kv_cache_dtype(self) -> str:
         """``kv_cache_dtype`` with "auto" decided: "bfloat16" with bf16 weights, else ``dtype``."""

@@ -59,6 +59,13 @@ def available_cpus() -> int:
 ALL_CPUS_FROM_BYTES = 64 << 20  # target weights from which the engine computes on every CPU
 
 
+def checkpoint_bytes(model_dir: str | None) -> int:
+    """The bytes of a model directory's safetensors files (0 without one)."""
+    if model_dir is None:
+        return 0
+    return sum(f.stat().st_size for f in Path(model_dir).glob("*.safetensors"))
+
+
 def engine_threads(model_dir: str | None = None) -> int:
     """The engine process's default compute threads: ``machine.available_cpus()`` less one for the
     HTTP process, or all of them for a target of ``ALL_CPUS_FROM_BYTES`` of weights or more. On
@@ -67,8 +74,6 @@ def engine_threads(model_dir: str | None = None) -> int:
     forward reads its weights from memory is bound by that instead: the K=8 twin (755 MB) served
     28 tokens/s plain at one request on one thread, 48 on two."""
     cpus = available_cpus()
-    if model_dir is not None:
-        weights = sum(f.stat().st_size for f in Path(model_dir).glob("*.safetensors"))
-        if weights >= ALL_CPUS_FROM_BYTES:
-            return cpus
+    if checkpoint_bytes(model_dir) >= ALL_CPUS_FROM_BYTES:
+        return cpus
     return max(1, cpus - 1)

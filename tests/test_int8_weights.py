@@ -196,3 +196,34 @@ def test_the_flag_and_the_environment_choose_the_drafters_weights(monkeypatch: p
     assert auto.resolved_draft_weight_dtype() == "int8"
     with pytest.raises(SystemExit):
         p.parse_args(["--draft-weight-dtype", "int4"])
+
+
+@pytest.mark.parametrize("vnni", [True, False])
+def test_auto_serves_a_drafter_too_big_for_the_caches_in_int8(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, vnni: bool
+) -> None:
+    from dspark_server import config
+
+    monkeypatch.delenv("DSPARK_DRAFT_WEIGHT_DTYPE", raising=False)
+    monkeypatch.delenv("DSPARK_WEIGHT_DTYPE", raising=False)
+    flags = "avx512f avx512_bf16" + (" avx512_vnni" if vnni else "")
+    monkeypatch.setattr(config, "cpu_flags", lambda: flags)
+    big, small = tmp_path / "big", tmp_path / "small"
+    for d, size in ((big, config.INT8_DRAFT_FROM_BYTES), (small, config.INT8_DRAFT_FROM_BYTES - 1)):
+        d.mkdir()
+        with open(d / "model.safetensors", "wb") as f:
+            f.truncate(size)  # sparse: only the size is read
+
+    def resolved(draft: Path, weights: str = "auto") -> str:
+        cfg = EngineConfig(model_dir="/m", draft_dir=str(draft), weight_dtype=weights)
+        return cfg.resolved_draft_weight_dtype()
+
+    assert resolved(big) == ("int8" if vnni else "bfloat16")
+    assert resolved(small) == "bfloat16"  # the demo drafter's case: the target's choice
+    assert resolved(big, "float32") == "float32"  # float32 asked for the model: nothing rounded
+    assert (
+        EngineConfig(
+            model_dir="/m", draft_dir=str(big), draft_weight_dtype="bfloat16"
+        ).resolved_draft_weight_dtype()
+        == "bfloat16"
+    )

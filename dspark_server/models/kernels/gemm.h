@@ -52,10 +52,13 @@ enum WeightFormat : int {
   kInt8 = 2,  // weight-only int8 (linear_int8.cpp) up to kInt8Rows rows, its bf16 copy above them
 };
 
-// Up to this many rows the int8 kernel serves an int8 weight: its VNNI products are the cheaper
-// per byte read while the GEMM waits on memory (the drafter's block and context writes), the bf16
-// kernel's (AMX or AVX512-BF16) past it, where the arithmetic dominates (prompt context writes).
-constexpr int64_t kInt8Rows = 16;
+// Up to this many rows the int8 kernel serves an int8 weight, the bf16 kernel (AMX or AVX512-BF16)
+// above: the int8 kernel's VNNI products cost more arithmetic per row, and past ~11 rows it stops
+// waiting on memory. The twin drafter's five GEMMs (K=8 twin, two threads, weights from memory, ms
+// of bf16 / int8 at 1, 7, 11, 12, 14 rows: 3.66 / 1.30, 3.67 / 2.47, 3.66 / 3.56, 3.71 / 3.96,
+// 3.84 / 4.31; `python -m tools.int8_gemm_ab --rows 1 7 11 12 14`): one request's block pass (7
+// rows) and context writes of accepted tokens read int8, prompt chunks and larger batches bf16.
+constexpr int64_t kInt8Rows = 11;
 
 struct Gemms {
   Sgemm sgemm;
