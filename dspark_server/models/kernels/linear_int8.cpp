@@ -5,11 +5,15 @@
 //
 // Each row of x is quantized to int16 with its own scale (|x| max -> 32767; relative error 2^-16
 // of the row's largest value), so the products run on AVX512-VNNI's VPDPWSSD: 32 int16 products
-// per instruction into int32 lanes, exact. A float32 FMA path widening the weights per element
-// (sign extend + convert, then FMAs) was compute bound at 7 rows: 3.40 against 4.07 ms of bf16 for
-// the twin drafter's five GEMMs; VPDPWSSD 2.98, and 1.5 against 4.0 ms at one row (two threads,
-// weights from memory). The int32 sums are flushed into float32 every kChunkPairs K pairs: with
-// |x| <= 32767 and |w| <= 127, 512 products cannot overflow.
+// per instruction into int32 lanes, exact. A float32 FMA loop widening the weights (sign extend,
+// convert, then FMAs) was bound by its arithmetic at 7 rows: 3.40 ms against bf16's 4.07 for the
+// twin drafter's five GEMMs, VPDPWSSD 2.98 (a scratch A/B, two threads; `python -m
+// tools.int8_gemm_ab` now: 2.47 against 3.67 at 7 rows, 1.30 against 3.66 at one). The int32 sums
+// are flushed into float32 every kChunkPairs K pairs: with |x| <= 32767 and |w| <= 127, 512
+// products cannot overflow. Past ~11 rows the arithmetic dominates and gemm.h serves the bf16
+// copy. (Tried: past 11 rows, each block widened to bf16 in L2 and multiplied on AMX's tile unit:
+// the widening cost more than the bytes it saved, 4.94 / 6.48 ms against bf16's 4.32 / 5.82 at 12
+// / 28 rows.)
 //
 // W is packed in blocks of 32 columns, each block contiguous, in pairs along K (int8_weights.py):
 // wq[((n / 32) * (K / 2) + k / 2) * 64 + (n % 32) * 2 + k % 2], one 64-byte line per K pair, which
