@@ -28,6 +28,8 @@
 #include <string.h>
 #include <time.h>
 
+#include "column_blocks.h"
+
 extern "C" {
 int dspark_has_amx();
 int dspark_linear_bf16_amx(const uint16_t* xb, int64_t m, int64_t k, const uint16_t* wp, int64_t n, float* out,
@@ -130,8 +132,7 @@ __attribute__((target("avx512f"))) void blocks_fma(const void* xv, int64_t kp_co
 }
 
 using Block = void (*)(const void*, int64_t, const uint16_t*, int64_t, float*, int64_t, bool);
-// [rows][i]: the loop over 1 << i blocks at once; a tail of r rows takes up to kTailBlocks[r]
-constexpr int64_t kTailBlocks[9] = {0, 4, 2, 2, 1, 1, 1, 1, 1};
+// [rows][i]: the loop over 1 << i blocks at once (column_blocks.h)
 #define DSPARK_BLOCK_TABLE(F)                                                                    \
   {                                                                                              \
     {nullptr, nullptr, nullptr}, {F<1, 1>, F<1, 2>, F<1, 4>}, {F<2, 1>, F<2, 2>, F<2, 2>},       \
@@ -180,28 +181,16 @@ int run(int variant, const float* x, int64_t m, int64_t k, const uint16_t* wp, i
   const int64_t row_stride = k * static_cast<int64_t>(fma ? sizeof(float) : sizeof(uint16_t));
   const char* xbytes = static_cast<const char*>(xb);
   const int64_t nblocks = n / 32, block_stride = kp_count * 64;
-  // threads take groups of 4 (or 2) blocks where there are enough to keep every thread busy, so
-  // that a tail of 1-3 rows can run over several blocks at once
-  int64_t group = 1;
-  if (nblocks % 4 == 0 && nblocks / 4 >= 2 * nthreads)
-    group = 4;
-  else if (nblocks % 2 == 0 && nblocks / 2 >= 2 * nthreads)
-    group = 2;
-  const int64_t full = m / 8 * 8, tail = m - full;
-#pragma omp parallel for num_threads(nthreads) schedule(static) if (nthreads > 1 && nblocks / group > 1)
-  for (int64_t b0 = 0; b0 < nblocks; b0 += group) {
-    for (int64_t b = b0; b < b0 + group; ++b)
-      for (int64_t mb = 0; mb < full; mb += 8)
+  dspark::over_column_blocks(
+      nblocks, m, nthreads,
+      [&](int64_t b, int64_t mb) {
         blocks[8][0](xbytes + mb * row_stride, kp_count, wp + b * block_stride, b * 32, out + mb * n, n,
                      accumulate != 0);
-    if (tail) {
-      const int64_t step = kTailBlocks[tail] < group ? kTailBlocks[tail] : group;
-      const Block kernel = blocks[tail][step == 4 ? 2 : step - 1];
-      for (int64_t b = b0; b < b0 + group; b += step)
-        kernel(xbytes + full * row_stride, kp_count, wp + b * block_stride, b * 32, out + full * n, n,
-               accumulate != 0);
-    }
-  }
+      },
+      [&](int64_t b, int64_t step, int64_t first) {
+        blocks[m - first][dspark::tail_index(step)](xbytes + first * row_stride, kp_count, wp + b * block_stride,
+                                                    b * 32, out + first * n, n, accumulate != 0);
+      });
   free(xb);
   return 0;
 }

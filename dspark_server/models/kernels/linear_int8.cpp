@@ -25,6 +25,8 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "column_blocks.h"
+
 namespace {
 
 constexpr int64_t kChunkPairs = 256;  // int32 sums of 512 products of |x| <= 32767, |w| <= 127
@@ -81,8 +83,7 @@ __attribute__((target("avx512f,avx512bw,avx512vnni"))) void blocks(const int32_t
 }
 
 using Block = void (*)(const int32_t*, int64_t, const int8_t*, const float*, int64_t, float*, int64_t, bool);
-// [rows][i]: the loop over 1 << i blocks at once; a tail of r rows takes up to kTailBlocks[r]
-constexpr int64_t kTailBlocks[9] = {0, 4, 2, 2, 1, 1, 1, 1, 1};
+// [rows][i]: the loop over 1 << i blocks at once (column_blocks.h)
 constexpr Block kBlocks[9][3] = {
     {nullptr, nullptr, nullptr},
     {blocks<1, 1>, blocks<1, 2>, blocks<1, 4>},
@@ -126,26 +127,16 @@ int dspark_linear_int8(const float* x, int64_t m, int64_t k, const void* w, int6
   }
   const int32_t* xp = reinterpret_cast<const int32_t*>(xq);
   const int64_t kp_count = k / 2, nblocks = n / 32, stride = kp_count * 64;
-  int64_t group = 1;  // as linear_bf16.cpp: groups of blocks where every thread still gets two
-  if (nblocks % 4 == 0 && nblocks / 4 >= 2 * nthreads)
-    group = 4;
-  else if (nblocks % 2 == 0 && nblocks / 2 >= 2 * nthreads)
-    group = 2;
-  const int64_t full = m / 8 * 8, tail = m - full;
-#pragma omp parallel for num_threads(nthreads) schedule(static) if (nthreads > 1 && nblocks / group > 1)
-  for (int64_t b0 = 0; b0 < nblocks; b0 += group) {
-    for (int64_t b = b0; b < b0 + group; ++b)
-      for (int64_t mb = 0; mb < full; mb += 8)
+  dspark::over_column_blocks(
+      nblocks, m, nthreads,
+      [&](int64_t b, int64_t mb) {
         kBlocks[8][0](xp + mb * kp_count, kp_count, wq + b * stride, scale + mb * n, b * 32, out + mb * n, n,
                       accumulate != 0);
-    if (tail) {
-      const int64_t step = kTailBlocks[tail] < group ? kTailBlocks[tail] : group;
-      const Block kernel = kBlocks[tail][step == 4 ? 2 : step - 1];
-      for (int64_t b = b0; b < b0 + group; b += step)
-        kernel(xp + full * kp_count, kp_count, wq + b * stride, scale + full * n, b * 32, out + full * n, n,
-               accumulate != 0);
-    }
-  }
+      },
+      [&](int64_t b, int64_t step, int64_t first) {
+        kBlocks[m - first][dspark::tail_index(step)](xp + first * kp_count, kp_count, wq + b * stride,
+                                                     scale + first * n, b * 32, out + first * n, n, accumulate != 0);
+      });
   free(xq);
   return 0;
 }
