@@ -53,9 +53,8 @@ def build_speculative(cfg: EngineConfig, runner: ModelRunner) -> SpeculativeDeco
     if draft_dtype not in DRAFT_WEIGHT_DTYPES:
         raise ValueError(f"draft_weight_dtype must be auto, float32, bfloat16 or int8, got {draft_dtype!r}")
     drafter.use_kernels(lib, fused=cfg.fused_forward, weight_dtype=DRAFT_WEIGHT_DTYPES[draft_dtype])
-    log.info(
-        "drafter weights served as %s (--draft-weight-dtype %s)", drafter.serving_weight_dtype, draft_dtype
-    )
+    served = str(drafter.serving_weight_dtype).removeprefix("torch.")
+    log.info("drafter weights served as %s (--draft-weight-dtype %s)", served, cfg.draft_weight_dtype)
     gamma = spec.gamma or drafter.gamma
     # the context cache in the target's KV dtype (a bfloat16 one where the fused calls read it)
     pool = drafter.new_kv_pool(runner.allocator.num_slots, runner.pool.k.dtype, impl=cfg.attention_impl)
