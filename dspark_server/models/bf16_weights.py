@@ -24,9 +24,16 @@ def fits(wt: torch.Tensor) -> bool:
     return k % 2 == 0 and n % BLOCK == 0
 
 
+def pair_blocks(wt: torch.Tensor) -> torch.Tensor:
+    """[K, N] -> [N / 32, K / 2, 32, 2], contiguous, in ``wt``'s dtype: the packed layout (also
+    the int8 copies', int8_weights.py). The caller checks ``fits``."""
+    k, n = wt.shape
+    return wt.reshape(k // 2, 2, n // BLOCK, BLOCK).permute(2, 0, 3, 1).contiguous()
+
+
 def packed(wt: torch.Tensor) -> torch.Tensor:
     """[K, N] float32 -> [N / 32, K / 2, 32, 2] bfloat16, contiguous."""
     k, n = wt.shape
     if not fits(wt):
         raise ValueError(f"a packed bf16 weight needs K even and N a multiple of {BLOCK}, got {k} x {n}")
-    return wt.reshape(k // 2, 2, n // BLOCK, BLOCK).permute(2, 0, 3, 1).contiguous().to(torch.bfloat16)
+    return pair_blocks(wt).to(torch.bfloat16)

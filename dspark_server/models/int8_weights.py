@@ -37,8 +37,7 @@ def packed(wt: torch.Tensor) -> torch.Tensor:
     if not fits(wt):
         raise ValueError(f"a packed int8 weight needs K even and N a multiple of {BLOCK}, got {k} x {n}")
     q, scales = quantized(wt)
-    blocks = q.reshape(k // 2, 2, n // BLOCK, BLOCK).permute(2, 0, 3, 1).reshape(-1)
-    return torch.cat([scales.contiguous().view(torch.int8), blocks])
+    return torch.cat([scales.contiguous().view(torch.int8), bf16_weights.pair_blocks(q).reshape(-1)])
 
 
 def dequantized(wt: torch.Tensor) -> torch.Tensor:
