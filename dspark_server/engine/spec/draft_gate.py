@@ -321,7 +321,7 @@ class DraftGate(ReuseRules):
         tokens = self.forecast_tokens(request_ids, regimes)
         # rates over whole loop iterations: the loop's time outside a step is paid per step, so
         # leaving it out would favour the short plain steps
-        draft_s, plain_s = b.iteration(True), b.iteration(False)
+        draft_s, plain_s = b.iteration(True), self.plain_iteration(n)
         draft_rate = tokens / draft_s
         plain_rate = n / plain_s
         # from plain steps, drafting also pays the switch once, over the stay it starts: as long

@@ -87,6 +87,22 @@ class GateMemory:
         if b.tokens_per_request.count == 0:
             b.tokens_per_request = MovingMean(src.tokens_per_request.value, self.min_samples)
 
+    def plain_iteration(self, num_requests: int) -> float:
+        """A whole loop iteration with a plain step at this load (``LoadBucket.iteration``), its
+        step time at most a larger load's measured one: a plain step of fewer requests reads the
+        same weights for fewer tokens. A load a wave only passes through (its ramp, its drain) is
+        measured on few plain steps, and while drafting is chosen there files no more: served on
+        the K=8 twin, 9-15 requests kept a plain time of 34 ms learnt early in the run while
+        plain steps of 16 took 25-28, and drafting was chosen at a loss against it."""
+        key = self.bucket_of(num_requests)
+        b = self._bucket(num_requests)
+        step = b.plain_seconds.value
+        for k, w in self._buckets.items():
+            t = w.plain_seconds
+            if k > key and not t.seed and t.count >= self.min_samples and t.value < step:
+                step = t.value
+        return step + b.outside(False)
+
     def forecast_tokens(self, request_ids: Sequence[str], regimes: Sequence[float] | None = None) -> float:
         """Tokens a drafting step is expected to emit for these requests (``regimes``: each one's
         sampling temperature, which picks a newcomer's prior)."""

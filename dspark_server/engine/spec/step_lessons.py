@@ -108,17 +108,26 @@ def decode_share(
     token count alone, a forward bound by reading the weights left its decodes almost nothing:
     served on the K=8 twin at 16 requests, the plain steps of 8-15 requests learnt 4-8 ms
     from steps that shared the forward with a prompt chunk, against ~22 ms for one without,
-    and the gate chose plain steps whenever the load dipped to 15."""
+    and the gate chose plain steps whenever the load dipped to 15.
+
+    Nor do the decodes take more than a forward of their tokens alone costs on the curve (or
+    their share of the tokens, if more): a forward slower than the curve says for the whole batch
+    was slowed by the chunk (its attention over a long prompt), not by them. Shared in proportion,
+    one prefill-heavy step at 9-15 requests on the K=8 twin (~60 ms) left their plain step
+    priced at 34 ms against 25-28 measured without a chunk, and drafting, chosen against it,
+    filed no plain step to correct it for thousands of steps."""
     if prefill_tokens <= 0:
         return step_seconds, forward_seconds
     batch = max(1, batch_tokens)
-    share = max(0.0, (batch - prefill_tokens) / batch)
+    tokens_share = max(0.0, (batch - prefill_tokens) / batch)
+    decodes_s = forward_seconds * tokens_share
     if curve is not None and batch > prefill_tokens:
         try:
             alone, whole = curve(batch - prefill_tokens), curve(batch)
         except (ValueError, ZeroDivisionError):
             alone, whole = math.nan, math.nan
         if math.isfinite(alone) and math.isfinite(whole) and whole > 0:
-            share = min(1.0, max(share, alone / whole))
-    prefill_s = forward_seconds * (1.0 - share)
+            share = min(1.0, max(tokens_share, alone / whole))
+            decodes_s = max(decodes_s, min(forward_seconds * share, alone))
+    prefill_s = forward_seconds - decodes_s
     return step_seconds - prefill_s, forward_seconds - prefill_s
