@@ -201,3 +201,46 @@ def test_a_partial_step_writes_the_drafting_requests_context_and_puts_off_the_ot
     assert all(cols[0].tokens(str(i)) == cols[1].tokens(str(i)) for i in range(4))
     alloc = engine.scheduler.allocator
     assert alloc.free_pages == alloc.capacity_pages
+
+
+@pytest.mark.parametrize(
+    ("pattern", "max_backlog"),
+    [
+        ((False, False, "even", False, True, "odd", False), 64),
+        ((False,) * 6 + (True,), 64),
+        ((False,) * 6 + (True,), 3),  # a full backlog is written for every request
+        ((True, "even", True, False), 64),  # newcomers' prompts prefilled in drafting steps
+    ],
+)
+def test_each_requests_put_off_rows_are_known_without_scanning_the_backlog(
+    pair: tuple[Path, Path], pattern: tuple[bool | str, ...], max_backlog: int
+) -> None:
+    """What a switch into drafting must write first (the gate prices an exploration with it):
+    per request, its computed positions without the drafter's K/V equal the rows the backlog
+    holds for it, after plain, partial and drafting steps, prefills and departures alike."""
+    target, draft = pair
+    engine = make_engine(target, draft, "fixed", max_running=4)
+    spec = engine.spec
+    assert spec is not None
+    spec.gate = ScriptedGate(pattern)
+    spec.deferred.max_steps = max_backlog
+    rng = random.Random(5)
+    for i in range(7):  # more requests than run at once: newcomers join as others leave
+        prompt = [rng.randrange(4, 32) for _ in range(rng.randrange(3, 30))]
+        engine.add_request(
+            str(i), prompt, SamplingParams(temperature=0, max_tokens=rng.randrange(6, 30)), lambda _out: None
+        )
+    checked = drafted_before = 0
+    while engine.has_work():
+        engine.step()
+        spec.file_lessons()  # plain steps' rows wait to be put off in batches: file them to look
+        for req in engine.scheduler.running:
+            truth = spec.deferred.pending(req)
+            assert req.num_computed - req.drafter_context == truth, (req.request_id, truth)
+            checked += truth > 0
+            drafted_before += req.drafter_context > 0
+        running = [r for r in engine.scheduler.running if not r.context_gap]
+        spec.context.row_seconds = 1e-3
+        rows = sum(spec.deferred.pending(r) for r in running)
+        assert spec.context.pending_seconds(running) == pytest.approx(rows * 1e-3)
+    assert checked > 20 and drafted_before > 20  # rows were put off, and drafting wrote some

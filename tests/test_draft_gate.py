@@ -783,9 +783,10 @@ def test_a_held_drafting_choice_is_the_choice_a_full_one_would_make() -> None:
         whole: bool,
         remaining: list[int] | None,
         able: list[int] | None,
+        catch_up_seconds: float = 0.0,
     ) -> list[int]:
         full_choices.append(held._steps)
-        return inner(ids, regimes, whole, remaining, able)
+        return inner(ids, regimes, whole, remaining, able, catch_up_seconds)
 
     held._choose = counting  # type: ignore[method-assign]
     ids = ["a", "b"]
@@ -1076,3 +1077,28 @@ def test_a_settled_load_keeps_features_only_where_drafting_comes_near_plain() ->
     assert gate.reuse_ratio < 0.8 < gate.near_ratio
     assert all(expected[: SETTLED_CHOICES - 1]), expected  # learning: 0.8 clears the lower bar
     assert not any(expected[SETTLED_CHOICES - 1 :]), expected  # settled: under near_ratio
+
+
+def test_an_exploration_is_priced_with_the_catch_up_it_would_write() -> None:
+    # near break-even (a drafting step's forecast at 0.92x plain steps' rate: odds 1) an
+    # exploration of whole drafting steps is due once its loss is 6% of the time since the last;
+    # priced without the switch it costs little and comes every few steps, but the requests' put-off
+    # context rows must be written first: served at 16 requests on the K=8 twin that catch-up took
+    # 0.4-0.6 s against a ~27 ms plain step, and no switch had been learnt at that load
+    ids = [f"r{i}" for i in range(8)]
+    drafting_s, tokens = 0.0261, [2.4] * 8  # 19.2 tokens in 26.1 ms; plain: 8 in 10 ms
+    explored = {}
+    for catch_up in (0.0, 0.3):
+        gate = DraftGate(min_samples=1, explore_fraction=1.0, prior_samples=0, explore_run=1)
+        drafts_all(gate, ids)
+        gate.record(ids, True, tokens, drafting_s)
+        drafts_all(gate, ids)
+        gate.record(ids, False, [1] * 8, 0.010)
+        picks = []
+        for _ in range(400):
+            drafted = bool(gate.choose(ids, [0.0] * 8, catch_up_seconds=catch_up))
+            gate.record(ids, drafted, tokens if drafted else [1] * 8, drafting_s if drafted else 0.010)
+            picks.append(drafted)
+        explored[catch_up] = picks.count(True)
+    # 2.1 ms lost a time: every explore_every (4) steps; 302 ms: past the 400 steps
+    assert explored[0.0] >= 80 and explored[0.3] == 0, explored

@@ -390,13 +390,14 @@ def _engine_holding(pair: tuple[Path, Path], drafting: bool) -> tuple[LLMEngine,
         whole: bool,
         remaining: list[int] | None,
         able: list[int] | None,
+        catch_up_seconds: float = 0.0,
     ) -> list[int]:
         lessons = spec.lessons
         waiting_at_full_choice.append(len(lessons.plain) + len(lessons.outside) + len(lessons.drafts))
         if gate._bucket(len(ids)).measured(gate.min_samples):
             gate._steps += 1
             return hold(ids, gate._bucket(len(ids)), 8)
-        return full_choose(ids, regimes, whole, remaining, able)
+        return full_choose(ids, regimes, whole, remaining, able, catch_up_seconds)
 
     gate._choose = spy_choose  # type: ignore[method-assign]
     return engine, waiting_at_full_choice

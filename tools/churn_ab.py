@@ -47,6 +47,7 @@ def _pin_plain(gate: DraftGate) -> None:
         whole: bool,
         remaining: Sequence[int] | None,
         able: Sequence[int] | None = None,
+        catch_up_seconds: float = 0.0,
     ) -> list[int]:
         gate._steps += 1
         return gate._hold_plain(request_ids, gate._bucket(len(request_ids)), gate.max_hold)

@@ -124,6 +124,9 @@ class Request:
     # its cached prefix lacks the drafter's K/V (taken while the draft gate took plain steps): the
     # drafter cannot read its context, so it decodes without drafting
     context_gap: bool = False
+    # positions 0 .. drafter_context - 1 hold the drafter's context K/V; the rest of the computed
+    # positions wait in the put-off writes (``engine/spec/context_writes.py`` keeps it)
+    drafter_context: int = 0
     first_token_time: float | None = None
     # Text already delivered to the client: stop strings can hold back a tail of output_text.
     sent_text_len: int = 0

@@ -135,6 +135,7 @@ class Scheduler:
                 req.context_gap = not all(
                     cache.has_context(p) for p in req.table.pages[: found // cache.page_size]
                 )
+                req.drafter_context = 0 if req.context_gap else found
                 if req.cached_tokens is None:  # what its usage reports: the first admission's
                     req.cached_tokens = found
             self.waiting.popleft()
@@ -163,5 +164,6 @@ class Scheduler:
         full pages stay in the prefix cache, where they may still be when it runs again."""
         self.running.remove(req)
         self.allocator.release(req.table, req.all_ids)
+        req.drafter_context = 0  # recomputed from its prompt when it runs again
         req.status = Status.WAITING
         self.waiting.appendleft(req)

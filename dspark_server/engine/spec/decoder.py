@@ -192,7 +192,10 @@ class SpeculativeDecoder:
                 self.file_lessons()  # the choice reads them
             regimes = [r.params.temperature for r in decodes]
             remaining = [r.params.max_tokens - len(r.output_ids) for r in decodes]
-            chosen = gate.choose(ids, regimes, room, remaining, able if len(able) < len(decodes) else None)
+            catch_up = self.context.pending_seconds(decodes)
+            chosen = gate.choose(
+                ids, regimes, room, remaining, able if len(able) < len(decodes) else None, catch_up
+            )
         # a request whose cached prefix lacks the drafter's K/V cannot draft
         return [decodes[i] for i in chosen if not decodes[i].context_gap] if chosen else []
 

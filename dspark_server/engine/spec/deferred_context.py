@@ -99,6 +99,7 @@ class ContextWrites:
     positions: torch.Tensor  # [N]
     slots: torch.Tensor  # [N]
     prompt_rows: int = 0  # of the N, the rows of prompt positions (prefill chunks put off)
+    requests: tuple[Request, ...] = ()  # whose rows these are: none of theirs is left pending
 
 
 @dataclass
@@ -233,7 +234,8 @@ class DeferredContext:
             at += n
             prompt = len(req.prompt_ids)
             prompt_rows += sum(max(0, min(c, prompt - p)) for _, _, c, p in picked.segments[key])
-        return ContextWrites(features, positions, torch.cat(slots), prompt_rows)
+        requests = tuple(picked.requests.values())
+        return ContextWrites(features, positions, torch.cat(slots), prompt_rows, requests)
 
     def _forget(self, key: int) -> None:
         step = self._steps.pop(key, None)

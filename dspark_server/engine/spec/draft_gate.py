@@ -183,6 +183,7 @@ class DraftGate(ReuseRules):
         room: int | None = None,
         remaining: Sequence[int] | None = None,
         able: Sequence[int] | None = None,
+        catch_up_seconds: float = 0.0,
     ) -> list[int]:
         """Which of the step's decoding requests draft (indices into ``request_ids``): all of
         them, none (a plain step), or a few, exploring while plain steps are the faster choice.
@@ -192,11 +193,13 @@ class DraftGate(ReuseRules):
         same forward: a partial step, which measures neither kind). ``remaining``: the tokens
         each may still emit (what learning a newcomer's acceptance can pay back over).
         ``able``: those that can draft, when not all of them can (the others were admitted
-        without the drafter's context): explorations pick among them."""
+        without the drafter's context): explorations pick among them. ``catch_up_seconds``: what
+        writing their put-off context rows would cost now (the least a switch into drafting
+        costs)."""
         chosen = self._held(request_ids)
         if chosen is None:
             whole = room is None or room >= len(request_ids)
-            chosen = self._choose(request_ids, regimes, whole, remaining, able)
+            chosen = self._choose(request_ids, regimes, whole, remaining, able, catch_up_seconds)
         self._before_drafted = self._last_drafted
         self._last_drafted = bool(request_ids) and len(chosen) == len(request_ids)
         if regimes and request_ids:  # a full choice: each regime's share of drafting ones
@@ -290,6 +293,7 @@ class DraftGate(ReuseRules):
         whole: bool,
         remaining: Sequence[int] | None,
         able: Sequence[int] | None = None,
+        catch_up_seconds: float = 0.0,
     ) -> list[int]:
         n = len(request_ids)
         everyone, nobody = list(range(n)), list[int]()
@@ -352,9 +356,12 @@ class DraftGate(ReuseRules):
             if self._last_drafted and entry_rate >= bar * self.hold_margin:
                 return self._hold_drafting(request_ids, b, refresh_due - b.since_plain - 1)
             return everyone
-        # plain is faster; exploring a run of drafting steps also pays the switch into it
+        # plain is faster; exploring a run of drafting steps also pays the switch into it: at
+        # least the catch-up of these requests' put-off rows (a bucket whose explorations were
+        # partial ones, some requests unable to draft, never learnt a switch: at 16 requests on
+        # the K=8 twin it priced one at 0 and explored every ~20 steps at ~0.4 s a time)
         loss_rate = max(0.0, 1.0 - draft_rate / plain_rate)
-        lost = self.explore_run * draft_s * loss_rate + switch
+        lost = self.explore_run * draft_s * loss_rate + max(switch, catch_up_seconds)
         few = self.explore_size(n)
         b.since_partial += 1
         # a newcomer on a prior of few samples that might be far too low: learn it
