@@ -1102,3 +1102,53 @@ def test_an_exploration_is_priced_with_the_catch_up_it_would_write() -> None:
         explored[catch_up] = picks.count(True)
     # 2.1 ms lost a time: every explore_every (4) steps; 302 ms: past the 400 steps
     assert explored[0.0] >= 80 and explored[0.3] == 0, explored
+
+
+def test_a_stale_plain_time_a_refresh_undercuts_is_pulled_down_at_once() -> None:
+    # served on the K=8 twin at four requests, temperature 1: plain steps learnt at ~20 ms while
+    # the client started, 11 ms after; drafting (2.5 tokens a request in 39 ms, a 32 ms switch)
+    # looked 1.28x plain steps' rate and was held, and each of its plain refreshes, a few hundred
+    # steps apart, moved the plain time by a twentieth
+    ids = [f"r{i}" for i in range(4)]
+
+    def run(pull: bool) -> tuple[list[bool], float]:
+        gate = DraftGate(min_samples=1, prior_samples=0, explore_run=1)
+        if not pull:
+            gate._pull_stale = lambda b, seconds: None  # type: ignore[method-assign]
+        for _ in range(40):  # the busy start: past the median's first samples
+            gate.record(ids, False, [1] * 4, 0.020)
+        picks, last = [], False
+        for _ in range(1000):  # the machine is quiet now: plain steps take 11 ms
+            drafted = bool(gate.choose(ids, [1.0] * 4))
+            if drafted:
+                gate.record(ids, True, [2.5] * 4, 0.039, 0.032 if not last else 0.0)
+            else:
+                gate.record(ids, False, [1] * 4, 0.011)
+            picks.append(drafted)
+            last = drafted
+        return picks, gate._bucket(4).plain_seconds.value
+
+    pulled, pulled_plain = run(True)
+    slow, slow_plain = run(False)
+    assert pulled[:10].count(True) >= 8 and slow[:10].count(True) >= 8  # drafting looked faster
+    assert pulled.count(True) <= 60 and pulled_plain == pytest.approx(0.011, rel=0.05)
+    assert slow[:500].count(True) >= 400  # a twentieth per refresh: drafting held for hundreds
+    # a refresh above a stale time moves it by the usual twentieth only
+    gate = DraftGate(min_samples=1, smoothing=0.05)
+    for _ in range(30):
+        gate.record(ids, False, [1] * 4, 0.010)
+    gate._steps += 100
+    gate.record(ids, False, [1] * 4, 0.015)
+    assert gate._bucket(4).plain_seconds.value == pytest.approx(0.010 + 0.05 * 0.005)
+    gate._steps += 100
+    gate.record(ids, False, [1] * 4, 0.006)
+    assert gate._bucket(4).plain_seconds.value == pytest.approx((0.01025 * 0.95 + 0.05 * 0.006 + 0.006) / 2)
+    # and while the time is still the median of its first samples, the samples above follow it
+    gate = DraftGate(min_samples=1, smoothing=0.05)
+    for _ in range(5):
+        gate.record(ids, False, [1] * 4, 0.020)
+    gate._steps += 100
+    gate.record(ids, False, [1] * 4, 0.011)
+    assert gate._bucket(4).plain_seconds.value == pytest.approx(0.0155)
+    gate.record(ids, False, [1] * 4, 0.011)  # (not stale: a plain step right after)
+    assert gate._bucket(4).plain_seconds.value == pytest.approx(0.0155)

@@ -81,6 +81,15 @@ class StepTime(MovingMean):
         self.first.append(x)
         self.value = min(self.first) if len(self.first) < 3 else statistics.median(self.first)
 
+    def pull_down(self, x: float, weight: float) -> None:
+        """Move the estimate ``weight`` of the way down to ``x`` (a measurement below it), past
+        the moving average's pace and the median's inertia (the starting samples above the new
+        value are lowered to it)."""
+        if not x < self.value:
+            return
+        self.value += weight * (x - self.value)
+        self.first = [min(f, self.value) for f in self.first]
+
 
 @dataclass
 class LoadBucket:
@@ -102,6 +111,7 @@ class LoadBucket:
     since_partial: int = 0
     since_plain: int = 0  # steps since a plain step's time was measured
     plain_at: int = 0  # the gate's step count when a plain step's time was last recorded
+    stale_refresh: bool = False  # the plain step being filed refreshes a stale plain time
     # drafting's forecast rate over plain steps' at this load, averaged over the full choices:
     # whether a request joining this load is likely to draft (DraftGate.expects_drafting)
     draft_ratio: MovingMean = field(default_factory=MovingMean)
