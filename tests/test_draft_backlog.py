@@ -46,16 +46,25 @@ def pair(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
     return target, build_tiny_drafter(target, root / "draft", gamma=4, seed=12)
 
 
+def _scripted_engine(
+    pair: tuple[Path, Path], pattern: Sequence[bool | str], max_backlog: int, max_running: int
+) -> LLMEngine:
+    """Fixed mode (every drafted position verified, so the rounds do not depend on measured
+    costs) with the gate's choices scripted and the backlog bounded at ``max_backlog`` steps."""
+    target, draft = pair
+    engine = make_engine(target, draft, "fixed", max_running=max_running)
+    assert engine.spec is not None
+    engine.spec.gate = ScriptedGate(pattern)
+    engine.spec.deferred.max_steps = max_backlog
+    return engine
+
+
 def _run(
     pair: tuple[Path, Path], max_backlog: int, pattern: Sequence[bool | str]
 ) -> tuple[LLMEngine, list[torch.Tensor], list[torch.Tensor], dict[str, list[int]], int]:
-    target, draft = pair
-    # fixed mode: every drafted position verified, so the rounds do not depend on measured costs
-    engine = make_engine(target, draft, "fixed", max_running=6)
+    engine = _scripted_engine(pair, pattern, max_backlog, max_running=6)
     spec = engine.spec
     assert spec is not None
-    spec.gate = ScriptedGate(pattern)
-    spec.deferred.max_steps = max_backlog
     tokens: list[torch.Tensor] = []
     logits: list[torch.Tensor] = []
     observe = spec._observe
@@ -218,12 +227,9 @@ def test_each_requests_put_off_rows_are_known_without_scanning_the_backlog(
     """What a switch into drafting must write first (the gate prices an exploration with it):
     per request, its computed positions without the drafter's K/V equal the rows the backlog
     holds for it, after plain, partial and drafting steps, prefills and departures alike."""
-    target, draft = pair
-    engine = make_engine(target, draft, "fixed", max_running=4)
+    engine = _scripted_engine(pair, pattern, max_backlog, max_running=4)
     spec = engine.spec
     assert spec is not None
-    spec.gate = ScriptedGate(pattern)
-    spec.deferred.max_steps = max_backlog
     rng = random.Random(5)
     for i in range(7):  # more requests than run at once: newcomers join as others leave
         prompt = [rng.randrange(4, 32) for _ in range(rng.randrange(3, 30))]
