@@ -111,7 +111,6 @@ class LoadBucket:
     since_partial: int = 0
     since_plain: int = 0  # steps since a plain step's time was measured
     plain_at: int = 0  # the gate's step count when a plain step's time was last recorded
-    stale_refresh: bool = False  # the plain step being filed refreshes a stale plain time
     # drafting's forecast rate over plain steps' at this load, averaged over the full choices:
     # whether a request joining this load is likely to draft (DraftGate.expects_drafting)
     draft_ratio: MovingMean = field(default_factory=MovingMean)

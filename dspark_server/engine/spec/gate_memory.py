@@ -160,26 +160,28 @@ class GateMemory:
     def record_plain(self, num_requests: int, seconds: float) -> None:
         """A finished plain step of ``num_requests`` decoding requests (its decoding share of time)."""
         if seconds > 0 and math.isfinite(seconds) and num_requests > 0:
-            b = self._plain_bucket(num_requests, seconds)
+            b, stale = self._plain_bucket(num_requests, seconds)
             b.plain_seconds.update(seconds, self.smoothing)
             b.since_plain = 0
-            self._pull_stale(b, seconds)
+            if stale:
+                self._pull_stale(b, seconds)
 
     def record_plain_many(self, num_requests: int, seconds: Sequence[float]) -> None:
         """``record_plain`` for plain steps of the same load, in the order they ran."""
         usable = [x for x in seconds if x > 0 and math.isfinite(x)]
         if num_requests <= 0 or not usable:
             return
-        b = self._plain_bucket(num_requests, usable[0])
+        b, stale = self._plain_bucket(num_requests, usable[0])
         times, smoothing = b.plain_seconds, self.smoothing
         for x in usable:
             times.update(x, smoothing)
         b.since_plain = 0
-        self._pull_stale(b, usable[0])
+        if stale:
+            self._pull_stale(b, usable[0])
 
     def _pull_stale(self, b: LoadBucket, seconds: float) -> None:
-        """After ``_plain_bucket`` filed a plain step: where it refreshed a stale plain time
-        (``STALE_PLAIN_STEPS`` or more choices since the last) and came in below it, the time
+        """After a plain step that refreshed a stale plain time (``STALE_PLAIN_STEPS`` or more
+        choices since the last, ``_plain_bucket``) was filed: where it came in below, the time
         moves ``STALE_UNDERCUT_WEIGHT`` of the way down to it. An estimate too high keeps the
         gate drafting, and drafting measures no plain step to correct it but the rare refreshes
         (``refresh_overhead``), each of which moved it by a twentieth; one too low takes plain
@@ -187,15 +189,14 @@ class GateMemory:
         (after the temperature-0 points), a plain step was learnt at 19-22 ms while the client
         started (plain steps there take 11-14 ms) and the gate drafted, ~0.6x plain steps' rate,
         for the rest of the point: dspark ran at 0.74x off."""
-        if b.stale_refresh:
-            b.stale_refresh = False
-            b.plain_seconds.pull_down(seconds, STALE_UNDERCUT_WEIGHT)
+        b.plain_seconds.pull_down(seconds, STALE_UNDERCUT_WEIGHT)
 
-    def _plain_bucket(self, num_requests: int, seconds: float) -> LoadBucket:
-        """The bucket a plain step of this load (``seconds``) is filed in. Where the load's plain
-        time was last measured ``STALE_PLAIN_STEPS`` or more choices ago and this step took less
-        than half or more than twice as long, the time starts over from this step (and the
-        gate's warm-up takes another plain step to confirm it): the step times changed, and a
+    def _plain_bucket(self, num_requests: int, seconds: float) -> tuple[LoadBucket, bool]:
+        """The bucket a plain step of this load (``seconds``) is filed in, and whether the step
+        refreshes a stale plain time (measured before, not seeded, and last ``STALE_PLAIN_STEPS``
+        or more choices ago). Where a stale time and this step differ by more than a factor of
+        two, the time starts over from this step (and the gate's warm-up takes another plain
+        step to confirm it): the step times changed, and a
         moving average moves by a twentieth a sample, which a refresh every few hundred steps
         turns into thousands. Served on the demo pair, one request's plain time was learnt at
         3.2-3.7 ms while the machine was busy and stayed so through the higher loads that
@@ -203,16 +204,11 @@ class GateMemory:
         steps, 31% slower than plain decoding, and its one refresh moved the estimate by 0.1 ms."""
         b = self._bucket(num_requests)
         times = b.plain_seconds
-        if (
-            times.count > 0
-            and not times.seed
-            and self._steps - b.plain_at >= STALE_PLAIN_STEPS
-            and not 0.5 * times.value <= seconds <= 2.0 * times.value
-        ):
+        stale = times.count > 0 and not times.seed and self._steps - b.plain_at >= STALE_PLAIN_STEPS
+        if stale and not 0.5 * times.value <= seconds <= 2.0 * times.value:
             b.plain_seconds = StepTime()
-        b.stale_refresh = times.count > 0 and not times.seed and self._steps - b.plain_at >= STALE_PLAIN_STEPS
         b.plain_at = self._steps
-        return b
+        return b, stale
 
     def record_outside_plain(self, lessons: Sequence[tuple[int, float]]) -> None:
         """``record_outside`` for plain steps: (decoding requests, loop seconds), in order."""
